@@ -1,0 +1,251 @@
+"""The contract of absorbed-MQA sparse attention: the one source of truth.
+
+Everything in this package (the oracle, the validators, the strategies, the checks and the kernels) imports
+its shapes, dtypes, the invalid-index rule and the LSE convention from here. Framework-agnostic: it reads only
+``.shape``, ``.ndim`` and ``.dtype`` of NumPy arrays, torch or paddle tensors; the array helpers are NumPy.
+
+Shapes
+    q            [B, S, H, Dqk]   query rows; H heads share one latent
+    kv           [B, Skv, Dqk]    one latent per KV position: K = kv, V = kv[..., :Dv], 1 <= Dv <= Dqk
+    indices      [B, S, L]        top-k slots, integers local to each batch
+    topk_length  [B, S]           optional: slots t >= topk_length[b, i] are invalid
+    attn_sink    [H]              optional per-head sink logit (natural log, NOT scaled by sm_scale)
+    out          [B, S, H, Dv]
+    lse          [B, S, H]        natural log, sink EXCLUDED
+    grad_out     [B, S, H, Dv]
+
+Validity (the invalid-index rule)
+    Slot t of row (b, i) is valid iff ``0 <= indices[b, i, t] < Skv`` and (no topk_length or
+    ``t < topk_length[b, i]``). Every other value (-1, Skv, -2**31, 2**31-1, ...) is invalid and is never read.
+    Duplicate indices count once per slot.
+
+Forward, per row (b, i) and head h
+    s_t   = sm_scale * <q, kv[idx_t]>                   (valid t only)
+    lse   = ln sum_valid exp(s_t)                         (+inf for an empty row)
+    P_t   = exp(s_t - logaddexp(lse, sink))               (sink None means -inf)
+    out   = sum_t P_t V[idx_t]
+    Sink +inf gives out = 0; an empty row (no valid slot) gives out = 0, lse = +inf and no gradient.
+    lse = +inf (not -inf) for empty rows is deliberate: exp(s - lse) is then 0 and the backward needs no branch.
+
+Backward, for cotangent dO
+    Delta  = <dO, out>
+    dS_t   = P_t (<dO, V[idx_t]> - Delta)
+    dq     = sm_scale sum_t dS_t kv[idx_t]
+    dkv[j] = sum over valid slots with idx = j of (sm_scale dS_t q + P_t [dO; 0])
+    d_sink[h] = -sum_{b,i} p_sink Delta,   p_sink = exp(sink - logaddexp(lse, sink))
+
+Kernel dtypes: q, kv, out, grad_out bfloat16; lse, attn_sink, d_sink float32; indices, topk_length int32.
+TileLang kernels keep a base-2 LSE with the sink folded in; ``lse_to_base2`` / ``lse_from_base2`` convert.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# Production sizes (DeepSeek-V3.2 absorbed MLA): 512 latent + 64 rope dims; V is the first 512.
+DQK = 576
+DV = 512
+# Dims the GPU kernels are built for; the oracle takes any sizes >= 1.
+KERNEL_DIMS = ((576, 512), (512, 512))
+
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+
+# What a kernel takes and returns, by argument name. Names (not framework dtypes) keep this module NumPy-only.
+KERNEL_DTYPES = {
+    "q": "bfloat16",
+    "kv": "bfloat16",
+    "out": "bfloat16",
+    "grad_out": "bfloat16",
+    "lse": "float32",
+    "attn_sink": "float32",
+    "d_sink": "float32",
+    "dq": "bfloat16",
+    "dkv": "bfloat16",
+    "indices": "int32",
+    "topk_length": "int32",
+}
+
+# Representative invalid values a kernel must never read through (the strategies draw from these).
+INVALID_VALUES = (-1, -2, -(2**31), 2**31 - 1)  # plus Skv, Skv + 1, which depend on the case
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Sizes of one call, read off validated arguments."""
+
+    B: int
+    S: int
+    H: int
+    Dqk: int
+    Dv: int
+    Skv: int
+    L: int
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The contract's shape of argument or result ``name``."""
+        b, s, h = self.B, self.S, self.H
+        return {
+            "q": (b, s, h, self.Dqk),
+            "dq": (b, s, h, self.Dqk),
+            "kv": (b, self.Skv, self.Dqk),
+            "dkv": (b, self.Skv, self.Dqk),
+            "indices": (b, s, self.L),
+            "topk_length": (b, s),
+            "attn_sink": (h,),
+            "d_sink": (h,),
+            "out": (b, s, h, self.Dv),
+            "grad_out": (b, s, h, self.Dv),
+            "lse": (b, s, h),
+        }[name]
+
+
+def dtype_name(x) -> str:
+    """'bfloat16', 'float32', 'int32', ... for a NumPy array, torch or paddle tensor (or a dtype)."""
+    dt = getattr(x, "dtype", x)
+    name = str(dt)
+    # torch.bfloat16 -> bfloat16, paddle.float32 -> float32; numpy/ml_dtypes print the bare name
+    return name.rsplit(".", 1)[-1]
+
+
+def _is_int_dtype(name: str) -> bool:
+    return name.startswith(("int", "uint"))
+
+
+def _is_float_dtype(name: str) -> bool:
+    return name.startswith(("float", "bfloat")) or name in ("half", "double")
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(int(d) for d in x.shape)
+
+
+def _require_rank(name: str, x, rank: int, layout: str) -> None:
+    if x is None:
+        raise ValueError(f"{name} is required, got None")
+    if not hasattr(x, "shape"):
+        raise ValueError(f"{name} must be an array or tensor, got {type(x).__name__}")
+    if len(x.shape) != rank:
+        raise ValueError(f"{name} must have rank {rank} {layout}, got shape {_shape(x)}")
+
+
+def _require_shape(name: str, x, expected: tuple[int, ...], layout: str) -> None:
+    if _shape(x) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)} {layout}, got {_shape(x)}")
+
+
+def validate_shapes(q, kv, indices, *, d_v: int, attn_sink=None, topk_length=None, out=None, grad_out=None,
+                    lse=None) -> Dims:
+    """Check ranks and sizes of every given argument against the contract; return the call's ``Dims``.
+
+    Raises ValueError naming the first offending argument.
+    """
+    _require_rank("q", q, 4, "[B, S, H, Dqk]")
+    _require_rank("kv", kv, 3, "[B, Skv, Dqk]")
+    _require_rank("indices", indices, 3, "[B, S, L]")
+    B, S, H, Dqk = _shape(q)
+    _, Skv, _ = _shape(kv)
+    L = _shape(indices)[2]
+    if isinstance(d_v, bool) or not isinstance(d_v, (int, np.integer)):
+        raise ValueError(f"d_v must be an int, got {type(d_v).__name__}")
+    d_v = int(d_v)
+    if min(B, S, H, Dqk) < 1:
+        raise ValueError(f"q must have every size >= 1, got shape {_shape(q)}")
+    if kv.shape[0] != B or kv.shape[2] != Dqk:
+        raise ValueError(f"kv must have shape ({B}, Skv, {Dqk}) [B, Skv, Dqk] to match q, got {_shape(kv)}")
+    if Skv < 1:
+        raise ValueError(f"kv must have Skv >= 1, got shape {_shape(kv)}")
+    if indices.shape[:2] != q.shape[:2]:
+        raise ValueError(f"indices must have shape ({B}, {S}, L) [B, S, L] to match q, got {_shape(indices)}")
+    if L < 1:
+        raise ValueError(f"indices must have L >= 1 slots, got shape {_shape(indices)}")
+    if not 1 <= d_v <= Dqk:
+        raise ValueError(f"d_v must satisfy 1 <= d_v <= Dqk = {Dqk}, got {d_v}")
+    dims = Dims(B=B, S=S, H=H, Dqk=Dqk, Dv=d_v, Skv=Skv, L=L)
+    layouts = {"attn_sink": "[H]", "topk_length": "[B, S]", "out": "[B, S, H, Dv]",
+               "grad_out": "[B, S, H, Dv]", "lse": "[B, S, H]"}
+    given = {"attn_sink": attn_sink, "topk_length": topk_length, "out": out, "grad_out": grad_out, "lse": lse}
+    for name, x in given.items():
+        if x is None:
+            continue
+        expected = dims.shape(name)
+        _require_rank(name, x, len(expected), layouts[name])
+        _require_shape(name, x, expected, layouts[name])
+    if not _is_int_dtype(dtype_name(indices)):
+        raise ValueError(f"indices must be an integer array, got {dtype_name(indices)}")
+    if topk_length is not None and not _is_int_dtype(dtype_name(topk_length)):
+        raise ValueError(f"topk_length must be an integer array, got {dtype_name(topk_length)}")
+    for name, x in (("q", q), ("kv", kv), ("attn_sink", attn_sink), ("out", out), ("grad_out", grad_out),
+                    ("lse", lse)):
+        if x is not None and not _is_float_dtype(dtype_name(x)):
+            raise ValueError(f"{name} must be a floating-point array, got {dtype_name(x)}")
+    return dims
+
+
+def validate_kernel_dtypes(**tensors) -> None:
+    """Check each given tensor against ``KERNEL_DTYPES`` by its argument name (None is skipped).
+
+    Raises ValueError such as ``grad_out must be bfloat16, got float16``.
+    """
+    for name, x in tensors.items():
+        if x is None:
+            continue
+        want = KERNEL_DTYPES[name]
+        got = dtype_name(x)
+        if got != want:
+            raise ValueError(f"{name} must be {want}, got {got}")
+
+
+def validate_sm_scale(sm_scale) -> float:
+    """sm_scale must be a finite real number (DeepSeek's is 1/sqrt(192) times a YaRN factor)."""
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating, np.integer)):
+        raise ValueError(f"sm_scale must be a float, got {type(sm_scale).__name__}")
+    if not math.isfinite(float(sm_scale)):
+        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+    return float(sm_scale)
+
+
+def valid_mask(indices: np.ndarray, s_kv: int, topk_length: np.ndarray | None = None) -> np.ndarray:
+    """The invalid-index rule as a boolean [B, S, L] mask (NumPy)."""
+    idx = np.asarray(indices)
+    mask = (idx >= 0) & (idx < s_kv)
+    if topk_length is not None:
+        slot = np.arange(idx.shape[-1])
+        mask &= slot < np.asarray(topk_length)[..., None]
+    return mask
+
+
+# ---- the base-2, sink-folded LSE that TileLang kernels keep -------------------------------------------------
+
+def lse_to_base2(lse, attn_sink=None):
+    """Contract LSE (natural log, sink excluded, [B, S, H]) -> kernel LSE: log2(sum exp(s) + exp(sink)).
+
+    An empty row (lse = +inf) stays +inf, so exp2(s * log2e - lse2) is 0 in the kernel too.
+    """
+    lse = np.asarray(lse, dtype=np.float64)
+    if attn_sink is not None:
+        sink = np.asarray(attn_sink, dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            lse = np.where(np.isposinf(lse), np.inf, np.logaddexp(lse, sink))
+    return lse * LOG2E
+
+
+def lse_from_base2(lse2, attn_sink=None):
+    """Kernel LSE (base 2, sink folded in) -> contract LSE (natural log, sink excluded).
+
+    Inverse of ``lse_to_base2`` wherever it is invertible: with a sink of +inf the row's own mass is lost
+    and the result is NaN there; +inf (empty row) maps back to +inf.
+    """
+    lse = np.asarray(lse2, dtype=np.float64) * LN2
+    if attn_sink is None:
+        return lse
+    sink = np.broadcast_to(np.asarray(attn_sink, dtype=np.float64), lse.shape)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        # ln(e^m - e^sink) = m + log1p(-e^(sink - m)); -inf sink leaves m unchanged
+        res = lse + np.log1p(-np.exp(sink - lse))
+    res = np.where(np.isneginf(sink), lse, res)
+    res = np.where(np.isposinf(lse) & ~np.isposinf(sink), np.inf, res)
+    return np.where(np.isposinf(sink), np.nan, res)
