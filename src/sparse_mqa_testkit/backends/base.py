@@ -1,0 +1,58 @@
+"""The backend protocol: what the conformance suite needs to know about a kernel and how to call it."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A backward kernel (and optionally its forward) under test.
+
+    Attributes
+        name            registered name, used in test ids and reports
+        device          "cpu" or "cuda": where its tensors live
+        deterministic   it claims bitwise run-to-run stability of every output
+        tiles           {"head_group": .., "query_chunk": .., "topk_block": ..} (any subset) for the strategies
+        dims            the (Dqk, Dv) pairs it supports, or None for any
+
+    ``supports(case)`` returns None for a case inside the declared domain, else a reason (e.g. "H > 128");
+    for such cases the backend must raise ValueError, never answer.
+
+    ``backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None)``
+    -> ``(dq, dkv, d_sink)`` on torch tensors with the contract's shapes and dtypes (lse natural-log and
+    sink-exclusive; attn_sink None gives d_sink None). Optionally
+    ``forward(q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None) -> (out, lse)``.
+    """
+
+    name: str
+    device: str
+    deterministic: bool
+    tiles: dict
+    dims: Any
+
+    def supports(self, case) -> str | None: ...
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None): ...
+
+
+class BackendBase:
+    """Defaults for the optional parts of the protocol; subclass and set the attributes."""
+
+    name = "unnamed"
+    device = "cpu"
+    deterministic = False
+    tiles: dict = {}
+    dims = None  # any (Dqk, Dv)
+
+    def supports(self, case) -> str | None:
+        if self.dims is not None and (case.Dqk, case.Dv) not in tuple(map(tuple, self.dims)):
+            return f"(Dqk, Dv) = ({case.Dqk}, {case.Dv}) not in {tuple(map(tuple, self.dims))}"
+        return None
+
+    @property
+    def has_forward(self) -> bool:
+        return callable(getattr(self, "forward", None))
+
+    def __repr__(self) -> str:
+        return f"<backend {self.name} on {self.device}{' deterministic' if self.deterministic else ''}>"
