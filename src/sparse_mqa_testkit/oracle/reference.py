@@ -1,12 +1,23 @@
 """NumPy reference of the contract's forward and backward (float32 or float64 math).
 
-Vectorised: one gather of the valid slots' KV rows per call, batched matmuls over (b, i), and a sorted
-segment sum for dkv (deterministic, no np.add.at). Invalid slots gather row 0 of their batch and are then
-replaced by exact zeros with ``np.where`` (not multiplied by a mask), so a NaN anywhere outside the valid
-rows never reaches a result, and no invalid index, 2**31-1 included, is ever used to address memory.
+How it stays exact and cheap:
+
+- Canonical slots. Each row's slots are sorted by KV index with the invalid ones last, and the slot axis is
+  cut to the longest row's count of valid slots. The oracle's results are therefore BITWISE independent of
+  slot order, of appended invalid slots and of which invalid value a slot holds: the arithmetic is the same.
+- Invalid slots are never used to address memory: they gather an appended all-zero row, so no value of kv
+  outside the valid rows (a NaN, say) reaches a result, and 2**31-1 is harmless.
+- Vectorised: one gather of the valid slots' KV rows, batched matmuls over rows (b, i), no Python loop over
+  rows or slots. The backward stacks [q; dO] to get scores and dP from one matmul, and [dS | P] to get each
+  slot's dkv contribution from one matmul.
+- dkv is summed in a fixed order (rows, then slots, in ascending order) by placing each contribution in a
+  [Skv, max multiplicity] grid and reducing over that axis sequentially: deterministic, exact in the asked
+  dtype's arithmetic, no np.add.at and no cumulative-sum differences.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,56 +40,92 @@ def to_numpy(x):
     return np.asarray(x)
 
 
-def _prepare(q, kv, indices, d_v, attn_sink, topk_length, dtype, grad_out=None):
-    dtype = np.dtype(dtype)
-    if dtype.type not in _FLOAT_DTYPES:
-        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
+@dataclass
+class _Call:
+    """One call's validated inputs in the compute dtype, with the canonical slots gathered."""
+
+    dims: contract.Dims
+    dtype: np.dtype
+    valid: np.ndarray  # [B, S, Lc] canonical slots: valid ones first
+    rows: np.ndarray  # [B, S, Lc] flat KV row b*Skv + idx of each canonical slot (B*Skv for invalid)
+    k: np.ndarray  # [B, S, Lc, Dqk] gathered kv rows, exact zeros on invalid slots
+    q: np.ndarray  # [B, S, H, Dqk]
+    sink: np.ndarray | None  # [H]
+    scale: float
+
+
+def _prepare(q, kv, indices, d_v, attn_sink, topk_length, dtype, sm_scale, grad_out=None):
+    dtype = np.dtype(dtype) if _is_dtype_like(dtype) else None
+    if dtype is None or dtype.type not in _FLOAT_DTYPES:
+        raise ValueError(f"dtype must be float32 or float64, got {dtype if dtype is not None else _name(dtype)}")
+    sm_scale = contract.validate_sm_scale(sm_scale)
     q, kv, indices, attn_sink, topk_length, grad_out = map(to_numpy, (q, kv, indices, attn_sink, topk_length,
                                                                       grad_out))
     dims = contract.validate_shapes(q, kv, indices, d_v=d_v, attn_sink=attn_sink, topk_length=topk_length,
                                     grad_out=grad_out)
-    valid = contract.valid_mask(indices, dims.Skv, topk_length)  # [B, S, L]
-    safe = np.where(valid, indices, 0).astype(np.int64)
-    # kv rows per slot, [B, S, L, Dqk]; invalid slots are exact zeros
-    kv_c = kv.astype(dtype, copy=False)
-    gathered = kv_c[np.arange(dims.B)[:, None, None], safe]
-    gathered = np.where(valid[..., None], gathered, dtype.type(0))
-    q_c = q.astype(dtype, copy=False)
+    B, S, Skv, L = dims.B, dims.S, dims.Skv, dims.L
+    valid = contract.valid_mask(indices, Skv, topk_length)  # [B, S, L]
+    # canonical slots: sort each row's KV indices, invalid ones (key Skv) last; cut to the longest valid run
+    key = np.where(valid, indices, Skv).astype(np.int64)
+    key.sort(axis=-1)
+    lc = max(int(valid.sum(-1).max()), 1)
+    key = key[..., :lc]
+    cvalid = key < Skv
+    rows = np.where(cvalid, key + (np.arange(B, dtype=np.int64) * Skv)[:, None, None], B * Skv)
+    # gather from kv with one zero row appended (index B*Skv): invalid slots read that row, nothing else.
+    # Cast first when kv is the smaller array, gather first when the slots are fewer than kv's rows.
+    kv_flat = kv.reshape(B * Skv, dims.Dqk)
+    if B * Skv <= rows.size:
+        kv_flat = kv_flat.astype(dtype, copy=False)
+    kv_ext = np.concatenate([kv_flat, np.zeros((1, dims.Dqk), kv_flat.dtype)])
+    k = np.take(kv_ext, rows.reshape(-1), axis=0).astype(dtype, copy=False).reshape(B, S, lc, dims.Dqk)
     sink = None if attn_sink is None else attn_sink.astype(dtype, copy=False)
-    go = None if grad_out is None else grad_out.astype(dtype, copy=False)
-    return dims, dtype, valid, safe, gathered, q_c, sink, go
+    call = _Call(dims=dims, dtype=dtype, valid=cvalid, rows=rows, k=k, q=q.astype(dtype, copy=False), sink=sink,
+                 scale=sm_scale)
+    return call, (None if grad_out is None else grad_out.astype(dtype, copy=False))
 
 
-def _probs(dims, dtype, valid, gathered, q, sm_scale, sink):
-    """Scores -> (P [B,S,H,L], lse [B,S,H], p_sink [B,S,H] or None) with the contract's conventions."""
-    s = np.matmul(q, np.swapaxes(gathered, -1, -2)) * dtype.type(sm_scale)  # [B,S,H,L]
-    s = np.where(valid[:, :, None, :], s, -np.inf)
-    any_valid = valid.any(-1)[:, :, None]  # [B,S,1]
-    m = np.where(any_valid, s.max(-1), 0).astype(dtype)
+def _is_dtype_like(dtype) -> bool:
+    try:
+        np.dtype(dtype)
+    except TypeError:
+        return False
+    return dtype is not None
+
+
+def _name(x) -> str:
+    return type(x).__name__ if not isinstance(x, str) else repr(x)
+
+
+def _softmax(c: _Call, s):
+    """Scores [B,S,H,Lc] (already scaled) -> (P, lse [B,S,H], p_sink or None) with the contract's conventions."""
+    t = c.dtype.type
+    s = np.where(c.valid[:, :, None, :], s, -np.inf)
+    any_valid = c.valid[..., :1][:, :, None, :]  # canonical order: slot 0 valid iff the row has a valid slot
+    m = np.where(any_valid[..., 0], s.max(-1), t(0))
     with np.errstate(divide="ignore"):
-        lse = np.where(any_valid, m + np.log(np.exp(s - m[..., None]).sum(-1)), np.inf).astype(dtype)
-    if sink is None:
-        denom = lse
-        p_sink = None
+        lse = np.where(any_valid[..., 0], m + np.log(np.exp(s - m[..., None]).sum(-1)), t(np.inf)).astype(c.dtype)
+    if c.sink is None:
+        denom, p_sink = lse, None
     else:
         with np.errstate(invalid="ignore"):
-            denom = np.logaddexp(lse, sink)  # inf + inf -> inf; -inf sink -> lse
-            p_sink = np.exp(sink - denom)
-        # sink +inf: all mass on the sink (p_sink 1, P 0); empty row with finite sink: no gradient anyway
-        p_sink = np.where(np.isposinf(sink), dtype.type(1), p_sink)
-        p_sink = np.where(np.isposinf(lse) & ~np.isposinf(sink), dtype.type(0), p_sink).astype(dtype)
-    P = np.exp(s - denom[..., None])  # -inf - anything finite or +inf -> 0
-    P = np.where(valid[:, :, None, :], P, dtype.type(0)).astype(dtype)
+            denom = np.logaddexp(lse, c.sink)  # inf + inf -> inf; -inf sink -> lse exactly
+            p_sink = np.exp(c.sink - denom)
+        # sink +inf: all mass on the sink (p_sink 1, P 0); empty row with finite sink: no mass, no gradient
+        p_sink = np.where(np.isposinf(c.sink), t(1), p_sink)
+        p_sink = np.where(np.isposinf(lse) & ~np.isposinf(c.sink), t(0), p_sink).astype(c.dtype)
+    P = np.exp(s - denom[..., None]).astype(c.dtype, copy=False)  # -inf minus finite or +inf -> exactly 0
     return P, lse, p_sink
 
 
 def forward(q, kv, indices, *, sm_scale, d_v, attn_sink=None, topk_length=None, dtype=np.float32):
     """Contract forward. Returns ``(out [B,S,H,Dv], lse [B,S,H])`` in ``dtype`` (lse natural-log, sink excluded)."""
-    sm_scale = contract.validate_sm_scale(sm_scale)
-    dims, dtype, valid, _, gathered, qc, sink, _ = _prepare(q, kv, indices, d_v, attn_sink, topk_length, dtype)
-    P, lse, _ = _probs(dims, dtype, valid, gathered, qc, sm_scale, sink)
-    out = np.matmul(P, gathered[..., : dims.Dv])  # [B,S,H,Dv]
-    return out.astype(dtype, copy=False), lse
+    c, _ = _prepare(q, kv, indices, d_v, attn_sink, topk_length, dtype, sm_scale)
+    s = np.matmul(c.q, np.swapaxes(c.k, -1, -2))
+    s *= c.dtype.type(c.scale)
+    P, lse, _ = _softmax(c, s)
+    out = np.matmul(P, c.k[..., : c.dims.Dv])  # [B,S,H,Dv]
+    return out.astype(c.dtype, copy=False), lse
 
 
 def backward(q, kv, indices, grad_out, *, sm_scale, d_v, attn_sink=None, topk_length=None, dtype=np.float32):
@@ -86,39 +133,57 @@ def backward(q, kv, indices, grad_out, *, sm_scale, d_v, attn_sink=None, topk_le
 
     Returns ``(dq [B,S,H,Dqk], dkv [B,Skv,Dqk], d_sink [H] or None)`` in ``dtype``.
     """
-    sm_scale = contract.validate_sm_scale(sm_scale)
     if grad_out is None:
         raise ValueError("grad_out is required, got None")
-    dims, dtype, valid, safe, gathered, qc, sink, go = _prepare(q, kv, indices, d_v, attn_sink, topk_length,
-                                                                dtype, grad_out=grad_out)
-    scale = dtype.type(sm_scale)
-    P, lse, p_sink = _probs(dims, dtype, valid, gathered, qc, sm_scale, sink)
-    v = gathered[..., : dims.Dv]
-    out = np.matmul(P, v)
-    delta = np.einsum("bshd,bshd->bsh", go, out)  # [B,S,H]
-    dp = np.matmul(go, np.swapaxes(v, -1, -2))  # [B,S,H,L]
-    ds = P * (dp - delta[..., None])  # zero on invalid slots since P is
-    dq = np.matmul(ds, gathered) * scale  # [B,S,H,Dqk]
-    # per-slot contribution to its KV row, summed over heads: [B,S,L,Dqk]
-    contrib = np.matmul(np.swapaxes(ds, -1, -2), qc) * scale
-    contrib[..., : dims.Dv] += np.matmul(np.swapaxes(P, -1, -2), go)
-    dkv = _scatter_rows(contrib, safe, valid, dims, dtype)
+    c, go = _prepare(q, kv, indices, d_v, attn_sink, topk_length, dtype, sm_scale, grad_out=grad_out)
+    d, t = c.dims, c.dtype.type
+    H, Dqk, Dv = d.H, d.Dqk, d.Dv
+    scale = t(c.scale)
+    # a = [q; dO padded to Dqk] per row: one matmul against the gathered K gives scores and dP = <dO, V>
+    a = np.zeros((d.B, d.S, 2 * H, Dqk), c.dtype)
+    a[:, :, :H] = c.q
+    a[:, :, H:, :Dv] = go
+    sd = np.matmul(a, np.swapaxes(c.k, -1, -2))  # [B,S,2H,Lc]
+    s = sd[:, :, :H] * scale
+    dp = sd[:, :, H:]
+    P, lse, p_sink = _softmax(c, s)
+    delta = np.einsum("bshd,bshd->bsh", go, np.matmul(P, c.k[..., :Dv]))  # Delta = <dO, out>
+    w = np.empty((d.B, d.S, 2 * H, P.shape[-1]), c.dtype)  # [scale dS; P]
+    np.multiply(P, dp - delta[..., None], out=w[:, :, :H])
+    dq = np.matmul(w[:, :, :H], c.k)
+    dq *= scale
+    w[:, :, :H] *= scale
+    w[:, :, H:] = P
+    a[:, :, :H] = c.q  # unchanged; a = [q; dO] again serves as the right factor
+    contrib = np.matmul(np.swapaxes(w, -1, -2), a)  # [B,S,Lc,Dqk]: scale dS^T q + P^T [dO; 0]
+    dkv = _segment_sum(contrib, c)
     d_sink = None
-    if sink is not None:
-        d_sink = -(p_sink * delta).sum(axis=(0, 1)).astype(dtype)
-    return dq.astype(dtype, copy=False), dkv, d_sink
+    if c.sink is not None:
+        d_sink = -(p_sink * delta).sum(axis=(0, 1)).astype(c.dtype)
+    return dq.astype(c.dtype, copy=False), dkv, d_sink
 
 
-def _scatter_rows(contrib, safe, valid, dims, dtype):
-    """dkv[b, j] = sum of contrib[b, i, t] over valid slots with idx = j, in a fixed (sorted) order."""
-    dkv = np.zeros((dims.B * dims.Skv, dims.Dqk), dtype=dtype)
-    flat_valid = valid.reshape(-1)
-    if not flat_valid.any():
-        return dkv.reshape(dims.B, dims.Skv, dims.Dqk)
-    rows = (safe + (np.arange(dims.B) * dims.Skv)[:, None, None]).reshape(-1)[flat_valid]
-    vals = contrib.reshape(-1, dims.Dqk)[flat_valid]
-    order = np.argsort(rows, kind="stable")
-    rows, vals = rows[order], vals[order]
-    starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
-    dkv[rows[starts]] = np.add.reduceat(vals, starts, axis=0)
-    return dkv.reshape(dims.B, dims.Skv, dims.Dqk)
+def _segment_sum(contrib, c: _Call):
+    """dkv[b, j] = sum of contrib over valid slots with flat row b*Skv + j, in (row, slot) order, sequentially.
+
+    Each valid contribution goes to cell (j, rank) of a zero grid [B*Skv, max multiplicity, Dqk], rank being
+    its position among row j's contributions in (b, i, slot) order; the grid is then reduced over the rank
+    axis, which NumPy does as a sequential accumulation (the reduced axis is not the inner one). Adding the
+    grid's zero padding leaves every sum exact.
+    """
+    d = c.dims
+    n_rows = d.B * d.Skv
+    flat_rows = c.rows.reshape(-1)
+    sel = np.flatnonzero(flat_rows < n_rows)
+    if sel.size == 0:
+        return np.zeros((d.B, d.Skv, d.Dqk), c.dtype)
+    r = flat_rows[sel]
+    order = np.argsort(r, kind="stable")
+    r_sorted = r[order]
+    starts = np.searchsorted(r_sorted, r_sorted, side="left")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(r.size) - starts
+    mult = int(rank.max()) + 1
+    grid = np.zeros((n_rows, mult, d.Dqk), c.dtype)
+    grid[r, rank] = contrib.reshape(-1, d.Dqk)[sel]
+    return grid.sum(axis=1).reshape(d.B, d.Skv, d.Dqk)
