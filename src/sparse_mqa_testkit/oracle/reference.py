@@ -30,12 +30,16 @@ def to_numpy(x):
     """NumPy view of an input: arrays pass through; tensors go through their own ``.numpy()`` / ``__array__``."""
     if x is None or isinstance(x, np.ndarray):
         return x
-    if hasattr(x, "detach"):  # torch: bf16 has no NumPy dtype, go through float32 (exact)
+    if hasattr(x, "detach"):  # torch or paddle: bf16 has no NumPy dtype, go through float32 (exact)
         x = x.detach().cpu()
         if str(x.dtype) == "torch.bfloat16":
             import ml_dtypes
 
             return x.float().numpy().astype(ml_dtypes.bfloat16)
+        if str(x.dtype) == "paddle.bfloat16":  # paddle's .numpy() gives bf16 as its raw uint16 bits
+            import ml_dtypes
+
+            return x.numpy().view(ml_dtypes.bfloat16)
         return x.numpy()
     return np.asarray(x)
 
