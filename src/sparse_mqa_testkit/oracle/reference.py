@@ -53,7 +53,7 @@ class _Call:
     valid: np.ndarray  # [B, S, Lc] canonical slots: valid ones first
     rows: np.ndarray  # [B, S, Lc] flat KV row b*Skv + idx of each canonical slot (B*Skv for invalid)
     k: np.ndarray  # [B, S, Lc, Dqk] gathered kv rows, exact zeros on invalid slots
-    q: np.ndarray  # [B, S, H, Dqk]
+    q: np.ndarray  # [B, S, H, Dqk] as given (any float dtype): cast where it is used, saving a pass
     sink: np.ndarray | None  # [H]
     scale: float
 
@@ -84,9 +84,9 @@ def _prepare(q, kv, indices, d_v, attn_sink, topk_length, dtype, sm_scale, grad_
     kv_ext = np.concatenate([kv_flat, np.zeros((1, dims.Dqk), kv_flat.dtype)])
     k = np.take(kv_ext, rows.reshape(-1), axis=0).astype(dtype, copy=False).reshape(B, S, lc, dims.Dqk)
     sink = None if attn_sink is None else attn_sink.astype(dtype, copy=False)
-    call = _Call(dims=dims, dtype=dtype, valid=cvalid, rows=rows, k=k, q=q.astype(dtype, copy=False), sink=sink,
+    call = _Call(dims=dims, dtype=dtype, valid=cvalid, rows=rows, k=k, q=q, sink=sink,
                  scale=sm_scale)
-    return call, (None if grad_out is None else grad_out.astype(dtype, copy=False))
+    return call, grad_out
 
 
 def _is_dtype_like(dtype) -> bool:
@@ -125,7 +125,7 @@ def _softmax(c: _Call, s):
 def forward(q, kv, indices, *, sm_scale, d_v, attn_sink=None, topk_length=None, dtype=np.float32):
     """Contract forward. Returns ``(out [B,S,H,Dv], lse [B,S,H])`` in ``dtype`` (lse natural-log, sink excluded)."""
     c, _ = _prepare(q, kv, indices, d_v, attn_sink, topk_length, dtype, sm_scale)
-    s = np.matmul(c.q, np.swapaxes(c.k, -1, -2))
+    s = np.matmul(c.q.astype(c.dtype, copy=False), np.swapaxes(c.k, -1, -2))
     s *= c.dtype.type(c.scale)
     P, lse, _ = _softmax(c, s)
     out = np.matmul(P, c.k[..., : c.dims.Dv])  # [B,S,H,Dv]
@@ -151,14 +151,14 @@ def backward(q, kv, indices, grad_out, *, sm_scale, d_v, attn_sink=None, topk_le
     s = sd[:, :, :H] * scale
     dp = sd[:, :, H:]
     P, lse, p_sink = _softmax(c, s)
-    delta = np.einsum("bshd,bshd->bsh", go, np.matmul(P, c.k[..., :Dv]))  # Delta = <dO, out>
+    # Delta = <dO, out> = sum_t P_t <dO, V_t>: the same quantity without recomputing out
+    delta = np.einsum("bshl,bshl->bsh", P, dp)
     w = np.empty((d.B, d.S, 2 * H, P.shape[-1]), c.dtype)  # [scale dS; P]
     np.multiply(P, dp - delta[..., None], out=w[:, :, :H])
     dq = np.matmul(w[:, :, :H], c.k)
     dq *= scale
     w[:, :, :H] *= scale
     w[:, :, H:] = P
-    a[:, :, :H] = c.q  # unchanged; a = [q; dO] again serves as the right factor
     contrib = np.matmul(np.swapaxes(w, -1, -2), a)  # [B,S,Lc,Dqk]: scale dS^T q + P^T [dO; 0]
     dkv = _segment_sum(contrib, c)
     d_sink = None
