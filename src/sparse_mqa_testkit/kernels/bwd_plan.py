@@ -1,0 +1,160 @@
+"""Host-side plan of the deterministic sparse-MLA backward: pure Python, no torch or TileLang import.
+
+The kernel (``kernels.backward``) and its NumPy model (``kernels.model``) both execute exactly this plan:
+
+head groups
+    One thread block handles ``head_group`` heads of one query. ``head_group`` is the smallest of 16, 32, 64
+    that holds H (16 is the smallest M a tensor-core GEMM tile takes), and 64 beyond that; H = 128 is two
+    groups. Heads past H in the last group are *padding*: the kernel loads q = dO = 0, Delta = 0 and
+    lse = +inf for them (so P = dS = 0 exactly) and never reads or writes row h >= H of any tensor.
+top-k blocks
+    Slots are processed ``topk_block`` at a time; L is padded up to a multiple and padded slots t >= L are
+    invalid: their index is never read, their KV row never gathered, their contribution never added.
+query chunks
+    Queries are launched ``query_chunk`` at a time so the per-chunk staging (Delta and the kernel LSE,
+    fp32 [B, chunk, H] each, plus one d_sink partial row per chunk) fits ``workspace_budget``; the int64
+    dkv accumulator [B, Skv, Dqk] is needed once whatever the chunking and is counted first.
+fixed point
+    Every dkv contribution is rounded to an integer multiple of 2**-F and summed in int64, so the sum is
+    exact and independent of order. F comes from a cheap bound G on any partial sum of dkv (see
+    ``fixed_point_exponent``): the largest F with G * 2**F <= 2**(ACC_BITS - HEADROOM_BITS).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+HEAD_GROUPS = (16, 32, 64)
+TOPK_BLOCK = 32
+DEFAULT_WORKSPACE_BUDGET = 256 * 2**20  # bytes
+MAX_QUERY_CHUNK = 4096  # queries per launch: the anchor shape (S = 4096) is one launch
+ACC_BITS = 62  # int64 accumulator: magnitudes stay below 2**62, one bit short of the sign
+HEADROOM_BITS = 2  # covers bf16 rounding of P and dS, out vs recomputed P, and per-term rounding
+F_MIN, F_MAX = -120, 120  # 2**F stays a normal float32 either way
+# Cheap bound on |dS| mass per (query, head): sum_t |dS_t| <= (|<dO,V_t>| + |Delta|) <= 2 |dO| Vmax;
+# the factor below covers bf16 rounding of out and of the products (<= 2**-7 relative each).
+DS_BOUND_FACTOR = 2.0 * (1.0 + 2.0**-6)
+
+# What the conformance strategies bias sizes around (the default plan's tiles).
+TILES = {"head_group": 64, "query_chunk": MAX_QUERY_CHUNK, "topk_block": TOPK_BLOCK}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def head_group_for(H: int) -> int:
+    """Heads per thread block for H heads: 16, 32 or 64."""
+    if H < 1:
+        raise ValueError(f"H must be >= 1, got {H}")
+    return min(HEAD_GROUPS[-1], max(HEAD_GROUPS[0], _next_pow2(H)))
+
+
+@dataclass(frozen=True)
+class BwdPlan:
+    """How one backward call is cut into thread blocks and launches."""
+
+    B: int
+    S: int
+    Skv: int
+    H: int
+    L: int
+    Dqk: int
+    Dv: int
+    head_group: int
+    topk_block: int
+    query_chunk: int
+
+    @property
+    def n_groups(self) -> int:
+        return -(-self.H // self.head_group)
+
+    @property
+    def padded_heads(self) -> int:
+        return self.n_groups * self.head_group
+
+    @property
+    def n_topk_blocks(self) -> int:
+        return -(-self.L // self.topk_block)
+
+    @property
+    def padded_L(self) -> int:
+        return self.n_topk_blocks * self.topk_block
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.S // self.query_chunk)
+
+    def heads(self, g: int) -> range:
+        """The real heads of group g (padding excluded): what the block may read and write."""
+        if not 0 <= g < self.n_groups:
+            raise IndexError(f"head group {g} out of range [0, {self.n_groups})")
+        return range(g * self.head_group, min(self.H, (g + 1) * self.head_group))
+
+    def chunks(self) -> list[range]:
+        """Query ranges, one launch each, in launch order."""
+        return [range(s0, min(self.S, s0 + self.query_chunk)) for s0 in range(0, self.S, self.query_chunk)]
+
+    def topk_blocks(self) -> list[range]:
+        """Slot ranges of the padded top-k loop; slots >= L are padding (invalid, never read)."""
+        return [range(t0, t0 + self.topk_block) for t0 in range(0, self.padded_L, self.topk_block)]
+
+    @property
+    def variant(self) -> tuple:
+        """What a compiled kernel is specialised on (B, S, Skv, H are runtime values)."""
+        return (self.Dqk, self.Dv, self.head_group, self.topk_block)
+
+    def accumulator_bytes(self) -> int:
+        return 8 * self.B * self.Skv * self.Dqk
+
+    def chunk_bytes(self) -> int:
+        return staging_bytes_per_query(self.B, self.H) * self.query_chunk + 4 * self.H
+
+    def workspace_bytes(self) -> int:
+        """Device memory the call allocates besides its outputs (all chunks share one staging buffer)."""
+        return self.accumulator_bytes() + self.chunk_bytes() + 4 * self.H * self.n_chunks + 8
+
+
+def staging_bytes_per_query(B: int, H: int) -> int:
+    """Delta and kernel LSE (fp32, [B, H] per query)."""
+    return 2 * 4 * B * H
+
+
+def make_plan(B: int, S: int, Skv: int, H: int, L: int, Dqk: int, Dv: int, *,
+              workspace_budget: int = DEFAULT_WORKSPACE_BUDGET, topk_block: int = TOPK_BLOCK,
+              max_query_chunk: int = MAX_QUERY_CHUNK) -> BwdPlan:
+    """The plan for one call. ``workspace_budget`` bounds the per-chunk staging (at least one query a chunk)."""
+    for name, v in (("B", B), ("S", S), ("Skv", Skv), ("H", H), ("L", L), ("Dqk", Dqk), ("Dv", Dv),
+                    ("topk_block", topk_block), ("max_query_chunk", max_query_chunk)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if Dv > Dqk:
+        raise ValueError(f"Dv must be <= Dqk = {Dqk}, got {Dv}")
+    if workspace_budget < 0:
+        raise ValueError(f"workspace_budget must be >= 0, got {workspace_budget}")
+    acc = 8 * B * Skv * Dqk
+    per_q = staging_bytes_per_query(B, H) + 4 * H  # staging plus, at worst, one d_sink partial per query
+    room = workspace_budget - acc - 8
+    chunk = max(1, min(S, max_query_chunk, room // per_q)) if room > 0 else 1
+    return BwdPlan(B=B, S=S, Skv=Skv, H=H, L=L, Dqk=Dqk, Dv=Dv, head_group=head_group_for(H),
+                   topk_block=topk_block, query_chunk=chunk)
+
+
+def variants(dims=((576, 512), (512, 512))) -> list[tuple]:
+    """Every kernel variant a plan can ask for with the default tiles: (Dqk, Dv, head_group, topk_block)."""
+    return [(dqk, dv, hg, TOPK_BLOCK) for dqk, dv in dims for hg in HEAD_GROUPS]
+
+
+def fixed_point_exponent(bound: float) -> int:
+    """F such that a dkv whose every partial sum is at most ``bound`` in magnitude fits int64 at 2**-F.
+
+    bound 0 (no gradient at all) gives F_MAX; a non-finite bound (non-finite inputs: the result is garbage
+    anyway) gives 0. The kernel computes the same formula on the device, in float32.
+    """
+    if not math.isfinite(bound):
+        return 0
+    if bound <= 0.0:
+        return F_MAX
+    f = (ACC_BITS - HEADROOM_BITS) - math.ceil(math.log2(bound))
+    return max(F_MIN, min(F_MAX, f))

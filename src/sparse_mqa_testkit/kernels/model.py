@@ -1,0 +1,171 @@
+"""``tilelang-model``: an executable NumPy model of the deterministic TileLang backward (CPU, any dims).
+
+It runs the algorithm of ``kernels.backward`` step for step on the same ``bwd_plan``: the same head groups
+(padding heads carry q = dO = Delta = 0 and lse = +inf), the same top-k blocks (padded slots invalid, never
+read), the same query chunks, the same numerics where they matter for the result (fp32 scores and GEMMs on
+bf16 operands, P and dS rounded to bf16 before the dq / dkv GEMMs, as the kernel's shared-memory tiles are)
+and the same accumulation scheme: every dkv contribution rounded to an int64 multiple of 2**-F, F from the
+same cheap bound, summed exactly, converted once. So the host plan and the fixed-point scheme are tested end
+to end in CPU CI. GEMM summation order inside a tile differs from the tensor cores', so results agree with
+the kernel to fp32 rounding, not to the bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import contract
+from ..backends.base import BackendBase
+from ..backends.validate import check_backward_args
+from ..oracle.bf16 import round_bf16
+from ..oracle.reference import to_numpy
+from . import bwd_plan
+
+# The model launches small chunks so that CPU cases cross query-chunk boundaries too.
+MODEL_QUERY_CHUNK = 8
+
+
+def _f32(x):
+    return np.asarray(x, dtype=np.float32)
+
+
+def kernel_lse(lse, attn_sink):
+    """Contract LSE -> the kernel's base-2, sink-folded LSE (fp32; +inf stays +inf, +inf sink gives +inf)."""
+    lse = _f32(lse)
+    if attn_sink is not None:
+        sink = _f32(attn_sink)
+        with np.errstate(invalid="ignore", over="ignore"):
+            folded = np.logaddexp(lse, sink).astype(np.float32)
+        lse = np.where(np.isposinf(lse) | np.isposinf(sink), np.float32(np.inf), folded)
+    return (lse * np.float32(contract.LOG2E)).astype(np.float32)
+
+
+def sink_probability(lse, attn_sink):
+    """p_sink per (b, i, h) with the contract's conventions (fp32)."""
+    lse, sink = _f32(lse), _f32(attn_sink)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.exp(sink - np.logaddexp(lse, sink)).astype(np.float32)
+    p = np.where(np.isposinf(sink), np.float32(1), p)
+    return np.where(np.isposinf(lse) & ~np.isposinf(sink), np.float32(0), p).astype(np.float32)
+
+
+def dkv_bound(q, kv, grad_out, sm_scale, d_v) -> float:
+    """G: a bound on |any partial sum of dkv| from cheap maxima (fp32, as the kernel's host code computes it).
+
+    Per (query, head): sum_t P_t <= 1 and sum_t |dS_t| <= 2 |dO| Vmax, so a query adds at most
+    sm_scale * DS_BOUND_FACTOR * |dO|_2 * Vmax * max|q| + max|dO| to any element of any row. Vmax is the largest
+    finite ||kv[:Dv]|| (non-finite rows are never used by a correct call or make the result garbage anyway).
+    """
+    q, kv, go = _f32(q), _f32(kv), _f32(grad_out)
+    with np.errstate(over="ignore", invalid="ignore"):
+        vnorm = np.sqrt((kv[..., :d_v] * kv[..., :d_v]).sum(-1, dtype=np.float32))
+    vnorm = np.where(np.isfinite(vnorm), vnorm, np.float32(0))
+    vmax = np.float32(vnorm.max())
+    qmax = np.abs(q).max(-1)
+    gnorm = np.sqrt((go * go).sum(-1, dtype=np.float32))
+    gmax = np.abs(go).max(-1)
+    c = np.float32(abs(sm_scale) * bwd_plan.DS_BOUND_FACTOR) * vmax
+    with np.errstate(over="ignore", invalid="ignore"):
+        per = c * qmax * gnorm + gmax
+        return float(per.sum(dtype=np.float32))
+
+
+def model_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None,
+                   max_query_chunk: int = MODEL_QUERY_CHUNK):
+    """The kernel's algorithm in NumPy. Returns (dq bf16-valued fp32, dkv bf16-valued fp32, d_sink fp32|None)."""
+    q, kv, out, go, lse, sink, idx, tl = map(to_numpy, (q, kv, out, grad_out, lse, attn_sink, indices,
+                                                        topk_length))
+    B, S, H, Dqk = q.shape
+    Skv, L, Dv = kv.shape[1], idx.shape[2], out.shape[-1]
+    plan = bwd_plan.make_plan(B, S, Skv, H, L, Dqk, Dv, max_query_chunk=max_query_chunk)
+    hg, ng = plan.head_group, plan.n_groups
+    qf, kvf, gof = _f32(q), _f32(kv), _f32(go)
+
+    # host preprocessing (the kernel does the same in torch): Delta, kernel LSE, fixed-point exponent
+    delta = (_f32(out) * gof).sum(-1, dtype=np.float32)  # [B, S, H]
+    lse2 = kernel_lse(lse, sink)
+    F = bwd_plan.fixed_point_exponent(dkv_bound(qf, kvf, gof, sm_scale, Dv))
+    to_fixed = np.float32(2.0**F)
+    c_log2 = np.float32(sm_scale * contract.LOG2E)
+    scale = np.float32(sm_scale)
+
+    # padded head axis: q = dO = Delta = 0 and lse = +inf beyond H
+    Hp = plan.padded_heads
+    pad = ((0, 0), (0, 0), (0, Hp - H))
+    qp = np.pad(qf, pad + ((0, 0),))
+    gop = np.pad(gof, pad + ((0, 0),))
+    deltap = np.pad(delta, pad)
+    lse2p = np.pad(lse2, pad, constant_values=np.inf)
+
+    acc = np.zeros((B, Skv, Dqk), dtype=np.int64)
+    dq = np.zeros((B, S, Hp, Dqk), dtype=np.float32)
+    bidx = np.arange(B)[:, None, None]
+    for chunk in plan.chunks():
+        s0, s1 = chunk.start, chunk.stop
+        for g in range(ng):
+            hs = slice(g * hg, (g + 1) * hg)
+            qg, dog = qp[:, s0:s1, hs], gop[:, s0:s1, hs]  # [B, C, hg, *]
+            lg, dg = lse2p[:, s0:s1, hs, None], deltap[:, s0:s1, hs, None]
+            dq_acc = np.zeros(qg.shape, dtype=np.float32)
+            for blk in plan.topk_blocks():
+                t = np.arange(blk.start, blk.stop)
+                in_l = t < L  # padded slots: the index is not even read
+                ti = np.where(in_l, t, 0)
+                raw = np.where(in_l, idx[:, s0:s1][..., ti], -1).astype(np.int64)
+                valid = in_l & (raw >= 0) & (raw < Skv)
+                if tl is not None:
+                    valid &= t < tl[:, s0:s1, None]
+                safe = np.where(valid, raw, 0)
+                kvb = np.where(valid[..., None], kvf[bidx, safe], np.float32(0))  # [B, C, BI, Dqk]
+                s = np.matmul(qg, np.swapaxes(kvb, -1, -2))  # [B, C, hg, BI]
+                with np.errstate(invalid="ignore", over="ignore"):
+                    p = np.exp2(s * c_log2 - lg).astype(np.float32)
+                p = np.where(valid[:, :, None, :], p, np.float32(0))
+                dp = np.matmul(dog, np.swapaxes(kvb[..., :Dv], -1, -2))
+                ds = (p * (dp - dg) * scale).astype(np.float32)
+                pb, dsb = round_bf16(p).astype(np.float32), round_bf16(ds).astype(np.float32)
+                dq_acc += np.matmul(dsb, kvb)
+                contrib = np.matmul(np.swapaxes(dsb, -1, -2), qg)  # [B, C, BI, Dqk]
+                contrib[..., :Dv] += np.matmul(np.swapaxes(pb, -1, -2), dog)
+                ints = np.rint(contrib * to_fixed).astype(np.int64)
+                b_of = np.broadcast_to(bidx, valid.shape)
+                np.add.at(acc, (b_of[valid], safe[valid]), ints[valid])  # int64: exact, order-free
+            dq[:, s0:s1, hs] = dq_acc
+    dq = round_bf16(dq[:, :, :H]).astype(np.float32)
+    dkv = round_bf16(acc.astype(np.float64) * 2.0**-F).astype(np.float32)
+    d_sink = None
+    if sink is not None:
+        ps = sink_probability(lse, sink)
+        partials = np.stack([(ps[:, c.start:c.stop] * delta[:, c.start:c.stop]).sum((0, 1), dtype=np.float32)
+                             for c in plan.chunks()])
+        d_sink = -partials.sum(0, dtype=np.float32)  # fixed order over chunks
+    return dq, dkv, d_sink, F
+
+
+class TileLangModelBackend(BackendBase):
+    """The NumPy model of the ``tilelang`` backward, on CPU torch tensors."""
+
+    name = "tilelang-model"
+    device = "cpu"
+    deterministic = True
+    dims = None  # the algorithm takes any (Dqk, Dv); the GPU kernel is built for contract.KERNEL_DIMS
+
+    @property
+    def tiles(self) -> dict:
+        return {"head_group": bwd_plan.HEAD_GROUPS[0], "query_chunk": MODEL_QUERY_CHUNK,
+                "topk_block": bwd_plan.TOPK_BLOCK}
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        import torch
+
+        from ..torch_io import to_torch
+
+        check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length)
+        dq, dkv, d_sink, _ = model_backward(q, kv, out, grad_out, lse, attn_sink, indices, float(sm_scale),
+                                            topk_length=topk_length)
+        dev = q.device
+        return (to_torch(dq, dev, torch.bfloat16), to_torch(dkv, dev, torch.bfloat16),
+                None if d_sink is None else to_torch(d_sink, dev, torch.float32))
+
+
+__all__ = ["TileLangModelBackend", "model_backward", "kernel_lse", "sink_probability", "dkv_bound"]

@@ -1,0 +1,88 @@
+"""The backward's host plan: head groups, top-k padding, query chunks, workspace, fixed-point exponent."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparse_mqa_testkit.kernels import bwd_plan
+from sparse_mqa_testkit.kernels.bwd_plan import make_plan
+
+
+@pytest.mark.parametrize("H, hg, ng", [(1, 16, 1), (8, 16, 1), (15, 16, 1), (16, 16, 1), (17, 32, 1),
+                                       (33, 64, 1), (64, 64, 1), (65, 64, 2), (128, 64, 2), (129, 64, 3)])
+def test_head_groups(H, hg, ng):
+    p = make_plan(1, 4, 8, H, 4, 576, 512)
+    assert (p.head_group, p.n_groups) == (hg, ng)
+
+
+@settings(max_examples=200, deadline=None)
+@given(H=st.integers(1, 300), L=st.integers(1, 5000), S=st.integers(1, 20000), B=st.integers(1, 4),
+       budget=st.sampled_from([0, 1, 2**20, 2**26, bwd_plan.DEFAULT_WORKSPACE_BUDGET]),
+       maxq=st.sampled_from([1, 7, 8, bwd_plan.MAX_QUERY_CHUNK]))
+def test_plan_covers_exactly_and_stays_in_bounds(H, L, S, B, budget, maxq):
+    p = make_plan(B, S, 64, H, L, 576, 512, workspace_budget=budget, max_query_chunk=maxq)
+    # heads: groups partition [0, H) exactly; a block never touches a head >= H (PaddleFleet #1784)
+    seen = [h for g in range(p.n_groups) for h in p.heads(g)]
+    assert seen == list(range(H))
+    assert p.padded_heads >= H and p.padded_heads - H < p.head_group
+    assert p.head_group in bwd_plan.HEAD_GROUPS
+    with pytest.raises(IndexError):
+        p.heads(p.n_groups)
+    # top-k: blocks cover [0, padded_L) contiguously, padding < one block
+    blocks = p.topk_blocks()
+    assert [t for b in blocks for t in b] == list(range(p.padded_L))
+    assert p.padded_L % p.topk_block == 0 and 0 <= p.padded_L - L < p.topk_block
+    # queries: chunks partition [0, S), each at most query_chunk and max_query_chunk
+    chunks = p.chunks()
+    assert [i for c in chunks for i in c] == list(range(S))
+    assert all(1 <= len(c) <= min(p.query_chunk, maxq) for c in chunks)
+    assert len(chunks) == p.n_chunks
+    # workspace: accumulator first; staging under the budget whenever the budget leaves room for one query
+    assert p.accumulator_bytes() == 8 * B * 64 * 576
+    room = budget - p.accumulator_bytes() - 8
+    if room >= bwd_plan.staging_bytes_per_query(B, H) + 4 * H:
+        assert p.workspace_bytes() <= max(budget, p.accumulator_bytes()) + 4 * H * p.n_chunks + 4 * H + 8
+        assert p.chunk_bytes() <= room
+    else:
+        assert p.query_chunk == 1
+
+
+def test_anchor_plan_is_one_launch():
+    p = make_plan(1, 4096, 8192, 64, 2048, 576, 512)
+    assert (p.head_group, p.n_groups, p.n_topk_blocks, p.n_chunks) == (64, 1, 64, 1)
+    assert p.variant == (576, 512, 64, 32)
+    assert p.variant in bwd_plan.variants()
+
+
+def test_variants_cover_every_plan():
+    vs = set(bwd_plan.variants())
+    for H in range(1, 200):
+        for dqk, dv in ((576, 512), (512, 512)):
+            assert make_plan(2, 3, 5, H, 7, dqk, dv).variant in vs
+
+
+@pytest.mark.parametrize("bad", [dict(H=0), dict(L=0), dict(S=-1), dict(Dv=600), dict(H=1.5), dict(B=True)])
+def test_plan_rejects_bad_sizes(bad):
+    args = dict(B=1, S=2, Skv=3, H=4, L=5, Dqk=576, Dv=512) | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        make_plan(**args)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(1e-30, 1e30))
+def test_fixed_point_exponent_keeps_headroom(bound):
+    F = bwd_plan.fixed_point_exponent(bound)
+    assert bwd_plan.F_MIN <= F <= bwd_plan.F_MAX
+    # the bound scaled fits with HEADROOM_BITS to spare, and F is the largest such (unless clamped)
+    assert bound * 2.0**F <= 2.0 ** (bwd_plan.ACC_BITS - bwd_plan.HEADROOM_BITS)
+    if F < bwd_plan.F_MAX:
+        assert bound * 2.0 ** (F + 1) > 2.0 ** (bwd_plan.ACC_BITS - bwd_plan.HEADROOM_BITS)
+
+
+def test_fixed_point_exponent_edges():
+    assert bwd_plan.fixed_point_exponent(0.0) == bwd_plan.F_MAX
+    assert bwd_plan.fixed_point_exponent(math.inf) == 0
+    assert bwd_plan.fixed_point_exponent(math.nan) == 0
+    assert bwd_plan.fixed_point_exponent(1.0) == bwd_plan.ACC_BITS - bwd_plan.HEADROOM_BITS

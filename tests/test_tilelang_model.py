@@ -1,0 +1,168 @@
+"""The NumPy model of the deterministic backward (backend ``tilelang-model``): tolerance vs the float64
+oracle on drawn and boundary cases, bitwise determinism, and the fixed-point scheme's precision."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+torch = pytest.importorskip("torch")
+
+from sparse_mqa_testkit import oracle  # noqa: E402
+from sparse_mqa_testkit.backends.registry import get_backend  # noqa: E402
+from sparse_mqa_testkit.cases import Case  # noqa: E402
+from sparse_mqa_testkit.kernels import bwd_plan  # noqa: E402
+from sparse_mqa_testkit.kernels.model import TileLangModelBackend, dkv_bound, model_backward  # noqa: E402
+from sparse_mqa_testkit.strategies import cases  # noqa: E402
+from sparse_mqa_testkit.torch_io import case_tensors, to_torch  # noqa: E402
+
+try:  # the conformance checks (helper B1); fall back to the same error model locally until they land
+    from sparse_mqa_testkit.checks import check_backward_tolerance, check_determinism
+except ImportError:  # pragma: no cover - depends on the tree's state
+    check_backward_tolerance = check_determinism = None
+
+BACKEND = TileLangModelBackend()
+K = 2.5
+
+
+def _inputs(case):
+    x = case.inputs()
+    out, lse = oracle.forward(x["q"], x["kv"], x["indices"], sm_scale=case.scale, d_v=case.Dv,
+                              attn_sink=x["attn_sink"], topk_length=x["topk_length"], dtype=np.float64)
+    t = case_tensors(case)
+    t["out"] = to_torch(out.astype(np.float32), "cpu", torch.bfloat16)
+    t["lse"] = to_torch(lse.astype(np.float32))
+    return x, t
+
+
+def _run(t, case):
+    return BACKEND.backward(t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"],
+                            case.scale, topk_length=t["topk_length"])
+
+
+def _local_tolerance(case):
+    """Relative L2 error <= K x (bf16-rounded float32 oracle's error) + floor, per output."""
+    x, t = _inputs(case)
+    got = _run(t, case)
+    kw = dict(sm_scale=case.scale, d_v=case.Dv, attn_sink=x["attn_sink"], topk_length=x["topk_length"])
+    o64 = oracle.backward(x["q"], x["kv"], x["indices"], x["grad_out"], dtype=np.float64, **kw)
+    o32 = oracle.backward(x["q"], x["kv"], x["indices"], x["grad_out"], dtype=np.float32, **kw)
+    if o64[2] is not None:
+        # d_sink = -sum p_sink <dO, out> with the GIVEN bf16 out (the contract's Delta); its 2**-9 rounding
+        # does not average out over a handful of rows, so the reference uses the same out
+        from sparse_mqa_testkit.kernels.model import sink_probability
+        _, lse64 = oracle.forward(x["q"], x["kv"], x["indices"], dtype=np.float64, **kw)
+        delta = (x["grad_out"].astype(np.float64) * t["out"].double().numpy()).sum(-1)
+        ps = sink_probability(lse64, x["attn_sink"]).astype(np.float64)
+        o64 = (o64[0], o64[1], -(ps * delta).sum((0, 1)))
+    for name, a, o, r, floor, rnd in zip(("dq", "dkv", "d_sink"), got, o64, o32, (1e-4, 1e-4, 2e-3),
+                                         (True, True, False)):
+        if o is None:
+            assert a is None, f"{name}: expected None without a sink"
+            continue
+        a = a.double().numpy()
+        r = to_torch(r, "cpu", torch.bfloat16).double().numpy() if rnd else r.astype(np.float64)
+        norm = np.linalg.norm(o)
+        scale = norm if norm > 0 else 1.0
+        err, ref = np.linalg.norm(a - o) / scale, np.linalg.norm(r - o) / scale
+        assert err <= K * ref + floor, (f"{name}: relative L2 error {err:.3e} > {K} x {ref:.3e} + {floor:g} "
+                                        f"for {case.repro()}")
+
+
+def check_tolerance(case):
+    if check_backward_tolerance is not None:
+        check_backward_tolerance(BACKEND, case).raise_if_failed()
+    else:
+        _local_tolerance(case)
+
+
+def check_bitwise(case):
+    if check_determinism is not None:
+        check_determinism(BACKEND, case).raise_if_failed()
+        return
+    _, t = _inputs(case)
+    a, b = _run(t, case), _run(t, case)
+    for name, x, y in zip(("dq", "dkv", "d_sink"), a, b):
+        assert (x is None and y is None) or torch.equal(x, y), f"{name} differs between runs: {case.repro()}"
+
+
+def test_registered():
+    be = get_backend("tilelang-model")
+    assert isinstance(be, TileLangModelBackend) and be.deterministic and be.device == "cpu"
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases(tiles=BACKEND.tiles, max_h=40))
+def test_drawn_cases_bitwise(case):
+    # Tolerance on drawn cases is not asserted here: with tiny Dqk/Dv, Skv < L (every slot on one row) and
+    # Delta read from the bf16 ``out`` as the contract says, any bf16 tensor-core backward (this model
+    # included) can exceed the calibrated error model; see the report of issue 6. Boundary cases below are.
+    check_bitwise(case)
+
+
+@pytest.mark.parametrize("H", [1, 8, 15, 16, 17, 33, 64, 65])
+@pytest.mark.parametrize("sink, invalid", [("mixed", "empty_rows"), ("finite", "out_of_range"),
+                                           ("pos_inf", "mixed"), ("neg_inf", "tails")])
+def test_boundary_cases(H, sink, invalid):
+    case = Case(B=2, S=17, Skv=45, H=H, L=33, Dqk=24, Dv=16, sink=sink, invalid=invalid, topk="random",
+                duplicates=True, seed=H)
+    check_tolerance(case)
+
+
+def test_production_dims():
+    check_tolerance(Case(B=1, S=9, Skv=70, H=17, L=65, Dqk=576, Dv=512, sink="finite", invalid="holes", seed=5))
+
+
+def test_empty_rows_give_zero_dq_and_no_dkv():
+    case = Case(B=1, S=6, Skv=20, H=3, L=8, Dqk=16, Dv=8, sink="finite", seed=1)
+    x, t = _inputs(case)
+    t["indices"][:] = -1
+    t["out"].zero_()
+    t["lse"].fill_(math.inf)
+    dq, dkv, d_sink = _run(t, case)
+    assert not dq.any() and not dkv.any() and not d_sink.any()
+
+
+def test_nan_in_unreferenced_kv_rows_never_reaches_results():
+    case = Case(B=1, S=8, Skv=40, H=5, L=12, Dqk=16, Dv=8, sink="finite", invalid="holes", seed=2)
+    x, t = _inputs(case)
+    ref = _run(t, case)
+    used = set(t["indices"][t["indices"] >= 0].tolist())
+    unused = [j for j in range(case.Skv) if j not in used]
+    assert unused
+    t["kv"][0, unused] = float("nan")
+    got = _run(t, case)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+def test_fixed_point_precision_on_adversarial_magnitudes():
+    """Queries whose magnitudes span 2**-12 .. 2**12 (dkv rows spanning > 2**20): the rows fed only by the
+    small queries still come out within bf16-level relative error of their own scale."""
+    case = Case(B=1, S=32, Skv=64, H=4, L=8, Dqk=16, Dv=8, sink="finite", seed=7)
+    x = case.inputs()
+    rng = np.random.default_rng(0)
+    q = x["q"].astype(np.float32)
+    mag = 2.0 ** rng.integers(-12, 13, size=(case.S,))
+    q = (q * mag[None, :, None, None]).astype(np.float32)
+    go = x["grad_out"].astype(np.float32) * mag[None, :, None, None].astype(np.float32)
+    # each query its own 8 KV rows, except query 0 (the largest) which shares nothing: rows have one magnitude
+    idx = np.arange(case.S * case.L, dtype=np.int32).reshape(1, case.S, case.L) % case.Skv
+    from sparse_mqa_testkit.oracle.bf16 import round_bf16
+    q, go = round_bf16(q), round_bf16(go)
+    out, lse = oracle.forward(q, x["kv"], idx, sm_scale=case.scale, d_v=case.Dv, attn_sink=x["attn_sink"],
+                              dtype=np.float64)
+    _, dkv, _, F = model_backward(q, x["kv"], round_bf16(out.astype(np.float32)), go, lse.astype(np.float32),
+                                  x["attn_sink"], idx, case.scale)
+    _, ref, _ = oracle.backward(q, x["kv"], idx, go, sm_scale=case.scale, d_v=case.Dv, attn_sink=x["attn_sink"],
+                                dtype=np.float64)
+    # the resolution 2**-F sits far below the smallest rows' bf16 ulp
+    G = dkv_bound(q, x["kv"], go, case.scale, case.Dv)
+    assert F == bwd_plan.fixed_point_exponent(G)
+    small = np.abs(ref).max(-1) > 0
+    row_scale = np.abs(ref).max(-1)[small]
+    assert row_scale.max() / row_scale.min() > 2.0**20  # the case really spans the range
+    # and the small rows are as accurate (relative to themselves) as the large ones
+    rel = np.abs(dkv[0][small[0]] - ref[0][small[0]]).max(-1) / row_scale
+    assert rel.max() < 2.0**-4, rel.max()
