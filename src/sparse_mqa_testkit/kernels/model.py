@@ -70,6 +70,17 @@ def dkv_bound(q, kv, grad_out, sm_scale, d_v) -> float:
         return float(per.sum(dtype=np.float32))
 
 
+def accumulate_fixed(acc, rows, contrib, to_fixed):
+    """acc[rows] += rint(contrib * 2**F) in int64, as the kernel's atomics do: exact, so order-free."""
+    ints = np.rint(np.asarray(contrib, dtype=np.float32) * np.float32(to_fixed)).astype(np.int64)
+    np.add.at(acc, rows, ints)
+
+
+def from_fixed(acc, F):
+    """int64 accumulator at 2**-F -> float64 (the kernel's final conversion before bf16)."""
+    return np.asarray(acc).astype(np.float64) * 2.0**-F
+
+
 def model_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None,
                    max_query_chunk: int = MODEL_QUERY_CHUNK):
     """The kernel's algorithm in NumPy. Returns (dq bf16-valued fp32, dkv bf16-valued fp32, d_sink fp32|None)."""
@@ -127,12 +138,11 @@ def model_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, t
                 dq_acc += np.matmul(dsb, kvb)
                 contrib = np.matmul(np.swapaxes(dsb, -1, -2), qg)  # [B, C, BI, Dqk]
                 contrib[..., :Dv] += np.matmul(np.swapaxes(pb, -1, -2), dog)
-                ints = np.rint(contrib * to_fixed).astype(np.int64)
                 b_of = np.broadcast_to(bidx, valid.shape)
-                np.add.at(acc, (b_of[valid], safe[valid]), ints[valid])  # int64: exact, order-free
+                accumulate_fixed(acc, (b_of[valid], safe[valid]), contrib[valid], to_fixed)
             dq[:, s0:s1, hs] = dq_acc
     dq = round_bf16(dq[:, :, :H]).astype(np.float32)
-    dkv = round_bf16(acc.astype(np.float64) * 2.0**-F).astype(np.float32)
+    dkv = round_bf16(from_fixed(acc, F)).astype(np.float32)
     d_sink = None
     if sink is not None:
         ps = sink_probability(lse, sink)
