@@ -1,0 +1,208 @@
+"""Determinism: repeated calls give the same bits, also when the environment is hostile.
+
+Between calls the previous outputs and the allocator's free memory are filled with NaN (so a kernel that
+reads an uninitialised or stale buffer shows it); on a GPU one call runs on a non-default stream and one
+while an unrelated kernel runs on another stream. A backend that does not claim determinism has its
+run-to-run drift measured and reported, and every run must stay inside the tolerance model.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .inputs import (BACKWARD_OUTPUTS, FORWARD_OUTPUTS, backend_inputs, bitwise_equal, call_backward,
+                     call_forward, first_difference, has_forward)
+from .report import exception_summary, fmt_index, result
+from .tolerance import K_DEFAULT, compare_outputs
+
+POISON_BYTES = 64 << 20  # at most this much fresh NaN memory per poisoning round
+
+
+def _cuda_ok(backend) -> bool:
+    import torch
+
+    return str(getattr(backend, "device", "cpu")).startswith("cuda") and torch.cuda.is_available()
+
+
+def poison_allocator(device, sizes_bytes) -> None:
+    """Allocate NaN-filled blocks of the given sizes (and, on CUDA, the cache's free bytes), then free them.
+
+    The caching allocator hands freed blocks out again without clearing them (``empty_cache`` only returns
+    unused segments to the driver), so the next allocations of similar sizes start full of NaN.
+    """
+    import torch
+
+    dev = torch.device(device)
+    sizes = [int(s) for s in sizes_bytes if s]
+    if dev.type == "cuda":
+        stats = torch.cuda.memory_stats(dev)
+        free_cached = stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
+        sizes.append(min(int(free_cached), POISON_BYTES))
+    held = []
+    for s in sizes:
+        n = max(1, min(s, POISON_BYTES) // 4)
+        held.append(torch.full((n,), math.nan, dtype=torch.float32, device=dev))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    del held
+
+
+def _poison_outputs(outs: dict) -> None:
+    import torch
+
+    for v in outs.values():
+        if v is not None and v.dtype.is_floating_point:
+            with torch.no_grad():
+                v.fill_(math.nan)
+
+
+def _snapshot(outs: dict) -> dict:
+    return {k: (None if v is None else v.detach().clone()) for k, v in outs.items()}
+
+
+def _run(backend, t: dict, which: str) -> dict:
+    if which == "backward":
+        return dict(zip(BACKWARD_OUTPUTS, call_backward(backend, t)))
+    return dict(zip(FORWARD_OUTPUTS, call_forward(backend, t)))
+
+
+def _busy_kernel(device):
+    """Start unrelated work on a side stream; returns the stream (GPU only)."""
+    import torch
+
+    side = torch.cuda.Stream(device=device)
+    a = torch.randn(2048, 2048, device=device)
+    with torch.cuda.stream(side):
+        for _ in range(8):
+            a = a @ a
+            a = a / a.norm()
+    return side
+
+
+def _call(backend, t, which, mode: str):
+    """One call in a given environment: "plain", "side_stream" or "concurrent"."""
+    import torch
+
+    if mode == "plain":
+        return _run(backend, t, which)
+    dev = torch.device(backend.device)
+    if mode == "side_stream":
+        s = torch.cuda.Stream(device=dev)
+        s.wait_stream(torch.cuda.current_stream(dev))  # inputs were made on the default stream
+        with torch.cuda.stream(s):
+            outs = _run(backend, t, which)
+        torch.cuda.current_stream(dev).wait_stream(s)
+        for v in outs.values():
+            if v is not None:
+                v.record_stream(torch.cuda.current_stream(dev))
+        torch.cuda.synchronize(dev)
+        return outs
+    if mode == "concurrent":
+        side = _busy_kernel(dev)
+        outs = _run(backend, t, which)
+        side.synchronize()
+        torch.cuda.synchronize(dev)
+        return outs
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def _modes(backend, repeats: int, hostile: bool) -> tuple[list[str], list[str]]:
+    """Environment of each repeat after the first, and what was skipped."""
+    skipped = []
+    cycle = ["plain"]
+    if hostile:
+        if _cuda_ok(backend):
+            cycle = ["plain", "side_stream", "concurrent"]
+        else:
+            skipped = ["non-default stream", "concurrent kernel on another stream"]
+    return [cycle[i % len(cycle)] for i in range(max(repeats - 1, 0))], skipped
+
+
+def _rel_l2(a, b) -> float:
+    import torch
+
+    a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
+    fin = torch.isfinite(a64) & torch.isfinite(b64)
+    den = float(torch.linalg.vector_norm(torch.where(fin, b64, 0.0)))
+    num = float(torch.linalg.vector_norm(torch.where(fin, a64 - b64, 0.0)))
+    if bool((torch.isfinite(a64) != torch.isfinite(b64)).any()):
+        return math.inf
+    return num / den if den > 0 else num
+
+
+def check_determinism(backend, case, *, repeats: int = 4, hostile: bool = True, k: float = K_DEFAULT):
+    """Run backward (and forward when present) ``repeats`` times; a claimed-deterministic backend must give
+    the same bits every time; another must stay inside the tolerance on every run (drift in ``notes``)."""
+    check = "determinism"
+    claims = bool(getattr(backend, "deterministic", False))
+    modes, skipped = _modes(backend, repeats, hostile)
+    notes = {"claims_deterministic": claims, "repeats": repeats, "environments": ["plain"] + modes}
+    if hostile:
+        notes["poisoned"] = "outputs and allocator filled with NaN between calls"
+    if skipped:
+        notes["skipped"] = [f"{s} (needs a CUDA backend and GPU)" for s in skipped]
+    problems, per_tensor, worst, drift = [], {}, 0.0, {}
+    whichs = ["backward"] + (["forward"] if has_forward(backend) else [])
+    for which in whichs:
+        try:
+            t = backend_inputs(backend, case)
+            first = _run(backend, t, which)
+            base = _snapshot(first)
+            runs = []
+            for mode in modes:
+                if hostile:
+                    sizes = [v.numel() * v.element_size() for v in base.values() if v is not None]
+                    sizes += [v.numel() * v.element_size() for v in t.values() if hasattr(v, "numel")]
+                    _poison_outputs(first)
+                    poison_allocator(getattr(backend, "device", "cpu"), sizes)
+                first = _call(backend, t, which, mode)
+                runs.append((mode, _snapshot(first)))
+        except Exception as exc:
+            problems.append(f"{which} raised {exception_summary(exc)}")
+            worst = math.inf
+            continue
+        for name, b0 in base.items():
+            for i, (mode, r) in enumerate(runs, start=2):
+                v = r[name]
+                if claims and not bitwise_equal(v, b0):
+                    worst = math.inf
+                    if v is None or b0 is None or v.shape != b0.shape or v.dtype != b0.dtype:
+                        problems.append(f"{name}: call {i} ({mode}) returned {_desc(v)}, call 1 {_desc(b0)}")
+                    else:
+                        idx = first_difference(v, b0)
+                        n = int((_bits_ne(v, b0)).sum())
+                        problems.append(
+                            f"{name}: call {i} ({mode}) differs bitwise from call 1 at {n} / {v.numel()} "
+                            f"elements (backend claims determinism)\n"
+                            f"  first at index {fmt_index(idx)}: call {i} {float(v[idx]):.6g}, "
+                            f"call 1 {float(b0[idx]):.6g}; relative L2 drift {_rel_l2(v, b0):.3e}")
+                    break
+                if b0 is not None and v is not None and v.shape == b0.shape:
+                    drift[name] = max(drift.get(name, 0.0), _rel_l2(v, b0))
+        if not claims:  # every run must pass the tolerance model
+            names = BACKWARD_OUTPUTS if which == "backward" else FORWARD_OUTPUTS
+            for i, outs in enumerate([base] + [r for _, r in runs], start=1):
+                pt, probs, w = compare_outputs(names, outs, case, k=k, device=getattr(backend, "device", None),
+                                               sink_given=(t["attn_sink"] is not None) if which == "backward"
+                                               else None)
+                for n, e in pt.items():
+                    if e.get("ratio", 0.0) >= per_tensor.get(n, {}).get("ratio", -1.0):
+                        per_tensor[n] = e
+                worst = max(worst, w)
+                problems += [f"run {i}: {p}" for p in probs]
+    if not claims:
+        notes["drift"] = drift
+    elif not problems:
+        notes["drift"] = {n: 0.0 for n in drift}
+    return result(check, backend, case, problems, ratio=worst if problems or not claims else 0.0,
+                  per_tensor=per_tensor, notes=notes)
+
+
+def _bits_ne(a, b):
+    from .inputs import bits
+
+    return bits(a).cpu() != bits(b).cpu()
+
+
+def _desc(v) -> str:
+    return "None" if v is None else f"{tuple(v.shape)} {str(v.dtype).rsplit('.', 1)[-1]}"

@@ -1,0 +1,122 @@
+"""Guards: a kernel reads only the KV rows valid slots reference, and writes every output element.
+
+1. KV rows no valid slot references (which include kv[b, Skv-1] and kv[b, 0], where -1 and clamped invalid
+   indices would land, whenever those are unreferenced) are filled with NaN: the results must equal the
+   clean run (bitwise for a deterministic backend, within tolerance otherwise).
+2. Outputs fully written: no NaN/inf where the oracle has none, and no stale values: a call with other inputs
+   of the same shapes, then the case again, must give what a fresh run gave.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .. import contract
+from .inputs import (BACKWARD_OUTPUTS, FORWARD_OUTPUTS, backend_inputs, bitwise_equal, call_backward,
+                     call_forward, first_difference, has_forward)
+from .report import exception_summary, fmt_index, result
+from .tolerance import K_DEFAULT, compare_outputs
+
+
+def unreferenced_rows(case):
+    """Boolean [B, Skv] NumPy mask of KV rows that no valid slot of ``case`` references."""
+    import numpy as np
+
+    x = case.inputs()
+    valid = contract.valid_mask(x["indices"], case.Skv, x["topk_length"])
+    used = np.zeros((case.B, case.Skv), dtype=bool)
+    b = np.broadcast_to(np.arange(case.B)[:, None, None], valid.shape)
+    used[b[valid], x["indices"][valid]] = True
+    return ~used
+
+
+def other_case(case):
+    """Same shapes and modes, other tensors: the earlier call whose leftovers a stale output would show."""
+    return case.replace(seed=(case.seed + 1) % (2**32))
+
+
+def _run(backend, t, which) -> dict:
+    if which == "backward":
+        return dict(zip(BACKWARD_OUTPUTS, call_backward(backend, t)))
+    return dict(zip(FORWARD_OUTPUTS, call_forward(backend, t)))
+
+
+def _snap(outs):
+    return {k: (None if v is None else v.detach().clone()) for k, v in outs.items()}
+
+
+def _same(label, got: dict, ref: dict, claims: bool, case, backend, which, k, t) -> tuple[list[str], dict, float]:
+    """Bitwise against ``ref`` for a deterministic backend, the tolerance model otherwise."""
+    if claims:
+        probs = []
+        for name, r in ref.items():
+            g = got.get(name)
+            if bitwise_equal(g, r):
+                continue
+            if g is None or r is None or g.shape != r.shape:
+                probs.append(f"{name}: {label}: got {None if g is None else tuple(g.shape)}, "
+                             f"clean run {None if r is None else tuple(r.shape)}")
+                continue
+            idx = first_difference(g, r)
+            n = int((g.detach().cpu().double() != r.detach().cpu().double()).sum()
+                    + (g.detach().cpu().isnan() & r.detach().cpu().isnan()).sum() * 0)
+            probs.append(f"{name}: {label}: differs from the clean run at {n} / {g.numel()} elements\n"
+                         f"  first at index {fmt_index(idx)}: got {float(g[idx]):.6g}, clean run "
+                         f"{float(r[idx]):.6g}")
+        return probs, {}, math.inf if probs else 0.0
+    names = BACKWARD_OUTPUTS if which == "backward" else FORWARD_OUTPUTS
+    pt, probs, worst = compare_outputs(names, got, case, k=k, device=getattr(backend, "device", None),
+                                       sink_given=(t["attn_sink"] is not None) if which == "backward" else None)
+    return [f"{label}: {p}" for p in probs], pt, worst
+
+
+def check_guards(backend, case, *, k: float = K_DEFAULT):
+    """Poisoned unreferenced KV rows change nothing; every output element is written on every call."""
+    import torch
+
+    check = "guards"
+    claims = bool(getattr(backend, "deterministic", False))
+    unref = unreferenced_rows(case)
+    notes = {"poisoned_rows": int(unref.sum()), "rows": int(unref.size)}
+    if not unref.any():
+        notes["poison"] = "every KV row is referenced: nothing to poison in this case"
+    problems, per_tensor, worst = [], {}, 0.0
+    whichs = ["backward"] + (["forward"] if has_forward(backend) else [])
+    for which in whichs:
+        try:
+            t = backend_inputs(backend, case)
+            clean = _snap(_run(backend, t, which))
+            # 1. poisoned unreferenced rows
+            if unref.any():
+                tp = dict(t)
+                kv = t["kv"].clone()
+                kv[torch.from_numpy(unref).to(kv.device)] = math.nan
+                tp["kv"] = kv
+                probs, pt, w = _same("with unreferenced KV rows set to NaN", _snap(_run(backend, tp, which)),
+                                     clean, claims, case, backend, which, k, t)
+                problems += [f"{which} {p}" for p in probs]
+                per_tensor.update({f"poison.{n}": e for n, e in pt.items()})
+                worst = max(worst, w)
+            # 2a. no NaN / inf where the oracle has none (the clean run against the oracle's positions)
+            names = BACKWARD_OUTPUTS if which == "backward" else FORWARD_OUTPUTS
+            pt, probs, _ = compare_outputs(names, clean, case, k=math.inf, device=getattr(backend, "device", None),
+                                           sink_given=(t["attn_sink"] is not None) if which == "backward"
+                                           else None)
+            nonfinite = [p for p in probs if "positions differ" in p or "shape" in p or "dtype" in p]
+            problems += [f"{which} clean run: {p}" for p in nonfinite]
+            if nonfinite:
+                worst = math.inf
+            # 2b. stale values: other inputs of the same shapes first, then this case again
+            t_other = backend_inputs(backend, other_case(case))
+            _run(backend, t_other, which)
+            again = _snap(_run(backend, t, which))
+            probs, pt, w = _same("after a call with other inputs of the same shapes", again, clean, claims, case,
+                                 backend, which, k, t)
+            problems += [f"{which} {p}" for p in probs]
+            per_tensor.update({f"stale.{n}": e for n, e in pt.items()})
+            worst = max(worst, w)
+        except Exception as exc:
+            problems.append(f"{which} raised {exception_summary(exc)}")
+            worst = math.inf
+    return result(check, backend, case, problems, ratio=worst if (problems or not claims) else 0.0,
+                  per_tensor=per_tensor, notes=notes)

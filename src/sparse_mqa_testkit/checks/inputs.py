@@ -1,0 +1,119 @@
+"""Inputs a check feeds a backend, the oracle results it compares with, and small tensor helpers.
+
+The oracle runs once per case (cached): float64 is the truth, float32 rounded to each output's kernel dtype is
+the bf16-output oracle whose error sets the tolerance.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from .. import oracle
+from ..oracle.bf16 import round_bf16
+from ..torch_io import to_torch
+
+BACKWARD_OUTPUTS = ("dq", "dkv", "d_sink")
+FORWARD_OUTPUTS = ("out", "lse")
+
+
+def _frozen(a):
+    if a is not None:
+        a = np.array(a)
+        a.setflags(write=False)
+    return a
+
+
+@lru_cache(maxsize=16)
+def oracle_results(case) -> dict:
+    """{"f64": {...}, "f32": {...}} with out, lse, dq, dkv, d_sink as read-only NumPy arrays per precision."""
+    x = case.inputs()
+    kw = dict(sm_scale=x["sm_scale"], d_v=x["d_v"], attn_sink=x["attn_sink"], topk_length=x["topk_length"])
+    res = {}
+    for key, dt in (("f64", np.float64), ("f32", np.float32)):
+        out, lse = oracle.forward(x["q"], x["kv"], x["indices"], dtype=dt, **kw)
+        dq, dkv, d_sink = oracle.backward(x["q"], x["kv"], x["indices"], x["grad_out"], dtype=dt, **kw)
+        res[key] = {k: _frozen(v) for k, v in dict(out=out, lse=lse, dq=dq, dkv=dkv, d_sink=d_sink).items()}
+    return res
+
+
+def backend_inputs(backend, case, *, use_backend_forward: bool = False) -> dict:
+    """Torch inputs for ``backend.backward`` on ``backend.device``.
+
+    Keys: q, kv, out, grad_out, lse, attn_sink, indices, topk_length (tensors or None), sm_scale, d_v.
+    out and lse come from the float64 oracle forward, rounded to what a forward returns (out bfloat16, lse
+    float32, natural log, sink excluded); with ``use_backend_forward`` they come from ``backend.forward``.
+    """
+    import torch
+
+    dev = getattr(backend, "device", "cpu")
+    x = case.inputs()
+    t = {k: (v if k in ("sm_scale", "d_v") else to_torch(v, dev)) for k, v in x.items()}
+    if use_backend_forward:
+        out, lse = call_forward(backend, t)
+    else:
+        f64 = oracle_results(case)["f64"]
+        out = to_torch(round_bf16(f64["out"]), dev)
+        lse = to_torch(f64["lse"].astype(np.float32), dev)
+        assert out.dtype == torch.bfloat16
+    t["out"], t["lse"] = out, lse
+    return t
+
+
+def call_backward(backend, t: dict):
+    return backend.backward(t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"],
+                            t["sm_scale"], topk_length=t["topk_length"])
+
+
+def call_forward(backend, t: dict):
+    return backend.forward(t["q"], t["kv"], t["indices"], t["sm_scale"], t["d_v"], attn_sink=t["attn_sink"],
+                           topk_length=t["topk_length"])
+
+
+def has_forward(backend) -> bool:
+    return callable(getattr(backend, "forward", None))
+
+
+def as_f64(x):
+    """A tensor or array as a float64 CPU torch tensor (bf16 widens exactly)."""
+    import torch
+
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.array(x, dtype=np.float64))  # a writable copy
+    return x.detach().to("cpu", torch.float64)
+
+
+def clone_tensors(t: dict) -> dict:
+    return {k: (v.clone() if hasattr(v, "clone") else v) for k, v in t.items()}
+
+
+_INT_VIEW = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def bits(x):
+    """A tensor's raw bits as an integer tensor: NaN-aware bitwise comparison (NaN payloads included)."""
+    import torch
+
+    if x.dtype.is_floating_point:
+        return x.detach().contiguous().view(getattr(torch, _INT_VIEW[x.element_size()]))
+    return x.detach()
+
+
+def bitwise_equal(a, b) -> bool:
+    """Same shape, dtype and bits (NaN equals NaN with the same payload)."""
+    import torch
+
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a).cpu(), bits(b).cpu())
+
+
+def first_difference(a, b):
+    """Index of the first element whose bits differ, or None."""
+    import torch
+
+    diff = (bits(a).cpu() != bits(b).cpu())
+    if not bool(diff.any()):
+        return None
+    return tuple(int(i) for i in torch.nonzero(diff)[0])

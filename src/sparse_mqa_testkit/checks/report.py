@@ -1,0 +1,87 @@
+"""What a check returns (``CheckResult``), what it raises (``CheckFailure``) and how failures read.
+
+Messages follow ``torch.testing.assert_close``: the tensor, measured vs allowed, the mismatch count, the worst
+element with its index and both values; then the case, its seed and a one-line command that replays it.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+
+CHECKS = ("tolerance", "forward_tolerance", "determinism", "rejection", "guards")
+
+
+class CheckFailure(AssertionError):
+    """A conformance check failed; ``str()`` is the full failure message."""
+
+
+def repro_command(backend_name: str, check: str, case) -> str:
+    """The one-line command that replays ``check`` on ``case`` for a backend."""
+    return f"sparse-mqa-check --backend {backend_name} --check {check} --replay \"{case.repro()}\""
+
+
+@dataclass
+class CheckResult:
+    """Outcome of one check on one backend and case.
+
+    ratio is the worst measured / allowed over tensors (< 1 passes; inf for a structural failure), so a
+    search can maximise it. per_tensor maps a tensor name to {"error", "allowed", ...}.
+    """
+
+    check: str
+    backend: str
+    case: object
+    passed: bool
+    ratio: float = 0.0
+    per_tensor: dict = field(default_factory=dict)
+    message: str = ""
+    notes: dict = field(default_factory=dict)
+
+    def raise_if_failed(self) -> None:
+        if not self.passed:
+            raise CheckFailure(self.message)
+
+    def __bool__(self) -> bool:  # a result reads as its verdict
+        return self.passed
+
+
+def backend_name(backend) -> str:
+    return str(getattr(backend, "name", type(backend).__name__))
+
+
+def case_footer(backend, check: str, case) -> str:
+    return (f"case: {case.describe()}\n"
+            f"seed: {case.seed}\n"
+            f"repro: {repro_command(backend_name(backend), check, case)}")
+
+
+def failure_message(backend, check: str, case, problems: list[str]) -> str:
+    """Header naming check and backend, one block per problem, then the case and its repro line."""
+    head = f"{check} check failed for backend {backend_name(backend)!r}"
+    body = "\n".join(p.rstrip() for p in problems)
+    return f"{head}\n{body}\n{case_footer(backend, check, case)}"
+
+
+def exception_summary(exc: BaseException, frames: int = 4) -> str:
+    """The exception line plus the last few frames: enough to find the raise without a full dump."""
+    tb = traceback.extract_tb(exc.__traceback__)[-frames:]
+    lines = [f"    {f.filename}:{f.lineno} in {f.name}: {f.line or ''}".rstrip() for f in tb]
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip() + (
+        "\n  traceback (last frames):\n" + "\n".join(lines) if lines else "")
+
+
+def result(check, backend, case, problems, *, ratio, per_tensor, notes=None) -> CheckResult:
+    passed = not problems
+    return CheckResult(check=check, backend=backend_name(backend), case=case, passed=passed, ratio=float(ratio),
+                       per_tensor=per_tensor, message="" if passed else failure_message(backend, check, case,
+                                                                                        problems),
+                       notes=dict(notes or {}))
+
+
+def fmt_index(idx) -> str:
+    return "(" + ", ".join(str(int(i)) for i in idx) + ("," if len(idx) == 1 else "") + ")"
+
+
+def fmt_value(v) -> str:
+    return f"{float(v):.6g}"
