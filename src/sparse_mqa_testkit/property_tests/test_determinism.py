@@ -1,0 +1,13 @@
+"""Bitwise run-to-run stability for a backend that claims it (measured drift inside the tolerance otherwise)."""
+
+from hypothesis import given, settings
+
+from sparse_mqa_testkit import profiles
+from sparse_mqa_testkit.strategies import backend_cases
+from sparse_mqa_testkit.suite import run_check
+
+
+@settings(profiles.active())
+@given(case=backend_cases())
+def test_determinism(smqa_backend, case):
+    run_check("determinism", smqa_backend, case)
