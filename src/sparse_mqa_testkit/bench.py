@@ -378,9 +378,13 @@ def plot(results: dict, path: str) -> None:
             rs.sort(key=lambda r: r[x])
             axes[0][col].plot([r[x] for r in rs], [r["ms"] for r in rs], marker="o", label=label)
             axes[1][col].plot([r[x] for r in rs], [r["tflops"] for r in rs], marker="o", label=label)
-        axes[0][col].set(xlabel=x, ylabel="ms (median)", title=f"time vs {x}", xscale="log", yscale="log")
-        axes[1][col].set(xlabel=x, ylabel="TFLOP/s", title=f"throughput vs {x}", xscale="log")
+        axes[0][col].set(xlabel=x, ylabel="ms (median)", title=f"time vs {x}", yscale="log")
+        axes[1][col].set(xlabel=x, ylabel="TFLOP/s", title=f"throughput vs {x}")
+        ticks = sorted({r[x] for rs in series.values() for r in rs})
         for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)  # the sweeps double; label the measured points themselves
+            if ticks:
+                ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.grid(True, alpha=0.3)
             if ax.lines:
                 ax.legend(fontsize=8)
