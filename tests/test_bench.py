@@ -101,6 +101,7 @@ def test_tiny_cpu_run(tmp_path, capsys):
     captured = capsys.readouterr()
     res = json.loads(path.read_text())
     assert res["device"] == "cpu" and res["settings"]["iters"] == 3
+    assert res["partial"] is False and res["command"].startswith("sparse-mqa-bench --device cpu")
     rows = res["rows"]
     ok = [r for r in rows if r["status"] == "ok"]
     assert {(r["direction"], r["backend"]) for r in ok} == {("forward", "reference"), ("backward", "reference")}

@@ -224,10 +224,15 @@ def _progress(msg: str, quiet: bool) -> None:
 
 
 def run(shapes, *, backward=("cudnn", "tilelang"), forward=("tilelang",), device="cuda", sets=3, warmup=3,
-        iters=20, repeats=3, sink=False, quiet=False) -> dict:
-    """Time every backend at every shape; returns the JSON-able results (see ``main`` for the CLI)."""
+        iters=20, repeats=3, sink=False, quiet=False, checkpoint=None) -> dict:
+    """Time every backend at every shape; returns the JSON-able results (see ``main`` for the CLI).
+
+    ``checkpoint(results)`` (optional) gets the results so far after each shape, so a run cut short by a time
+    limit still leaves its finished rows.
+    """
     import torch
 
+    settings = {"sets": sets, "warmup": warmup, "iters": iters, "repeats": repeats, "sink": sink}
     fwd = {n: _load(n, device) for n in forward}
     bwd = {n: _load(n, device) for n in backward}
     rows = []
@@ -264,11 +269,18 @@ def run(shapes, *, backward=("cudnn", "tilelang"), forward=("tilelang",), device
         del inputs, primal
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
+        if checkpoint is not None:
+            checkpoint(_results(rows, device, settings))
+    return _results(rows, device, settings)
+
+
+def _results(rows, device, settings) -> dict:
+    import torch
+
+    rows = [dict(r) for r in rows]
     _add_ratios(rows)
-    return {"device": _device_name(device), "torch": torch.__version__, "date": time.strftime(
-        "%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "settings": {"sets": sets, "warmup": warmup, "iters": iters,
-                                                             "repeats": repeats, "sink": sink},
-            "rows": rows}
+    return {"device": _device_name(device), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "settings": settings, "rows": rows}
 
 
 def _skip_or_error(exc) -> tuple[str, str]:
@@ -462,12 +474,16 @@ def main(argv=None) -> int:
         shapes = plan_shapes(heads=args.heads, topks=args.topk, S=args.seq, Skv=args.kv_len, B=args.batch,
                              sweep_s=args.sweep_s, sweep_l=args.sweep_l, sweep_h=args.sweep_h,
                              sweep_at_l=args.sweep_at_l, Dqk=dqk, Dv=dv)
+        command = "sparse-mqa-bench " + " ".join(sys.argv[1:] if argv is None else argv)
+
+        def save(results, partial=True):
+            with open(args.json_path, "w") as fh:
+                json.dump({**results, "command": command, "partial": partial}, fh, indent=1)
+
         results = run(shapes, backward=args.backward, forward=args.forward, device=device, sets=args.sets,
                       warmup=args.warmup, iters=args.iters, repeats=args.repeats, sink=args.sink,
-                      quiet=args.quiet)
-        results["command"] = "sparse-mqa-bench " + " ".join(sys.argv[1:] if argv is None else argv)
-        with open(args.json_path, "w") as fh:
-            json.dump(results, fh, indent=1)
+                      quiet=args.quiet, checkpoint=save)
+        save(results, partial=False)
     print(f"{results['device']}, {results['date']}")
     print(format_table(results["rows"]))
     if not args.from_json:
