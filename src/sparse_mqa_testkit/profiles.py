@@ -24,6 +24,7 @@ PROFILES = ("dev", "ci", "nightly")
 DEFAULT_PROFILE = "dev"
 PROFILE_ENV = "SMQA_PROFILE"
 DATABASE_ENV = "SMQA_DATABASE"
+MAX_EXAMPLES_ENV = "SMQA_MAX_EXAMPLES"  # overrides the profile's examples per test (the nightly driver sizes rounds)
 
 # Examples per property test. ci is sized so a 2-core CPU run of `reference` stays well under 3 minutes.
 MAX_EXAMPLES = {"dev": 12, "ci": 60, "nightly": 2000}
@@ -62,7 +63,8 @@ def profile_settings(name: str, database: str | os.PathLike | None = None) -> se
     else:
         where = database_dir(database)
         db = DirectoryBasedExampleDatabase(str(where)) if where is not None else None
-    common = dict(deadline=None, database=db, suppress_health_check=_SUPPRESS, max_examples=MAX_EXAMPLES[name])
+    examples = int(os.environ.get(MAX_EXAMPLES_ENV) or MAX_EXAMPLES[name])
+    common = dict(deadline=None, database=db, suppress_health_check=_SUPPRESS, max_examples=examples)
     if name == "dev":
         return settings(phases=_NO_TARGET, **common)
     if name == "ci":

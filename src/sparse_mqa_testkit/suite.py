@@ -11,6 +11,9 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +55,7 @@ class Recorder:
 
     def add_case(self, case: Case, ratio: float | None = None) -> None:
         self.cases += 1
+        _progress(self)
         for label in case_events(case, self.tiles):
             slot = self.coverage.setdefault(label, {"n": 0, "max_ratio": None})
             slot["n"] += 1
@@ -90,6 +94,25 @@ def _worst_tensor(result) -> dict:
 
 
 current: Recorder | None = None  # set by the plugin around each suite test
+
+PROGRESS_ENV = "SMQA_PROGRESS"  # seconds between progress lines (the nightly driver sets it)
+DEADLINE_ENV = "SMQA_DEADLINE"  # epoch seconds the run should end by, for "time left"
+_last_progress = [0.0]
+
+
+def _progress(rec: Recorder) -> None:
+    every = float(os.environ.get(PROGRESS_ENV) or 0)
+    now = time.time()
+    if not every or now - _last_progress[0] < every:
+        return
+    _last_progress[0] = now
+    left = ""
+    if os.environ.get(DEADLINE_ENV):
+        left = f", {max(0.0, float(os.environ[DEADLINE_ENV]) - now) / 60:.1f} min left"
+    worst = f", worst ratio {rec.worst['ratio']:.3f}" if rec.worst else ""
+    # pytest captures sys.stderr inside tests; progress goes to the real one
+    print(f"[smqa] {rec.check}[{rec.backend}]: {rec.cases} examples, {rec.failed} failures{worst}{left}",
+          file=sys.__stderr__, flush=True)
 
 
 def run_check(check: str, backend, case: Case, **kwargs):
@@ -154,14 +177,13 @@ def format_table(rows: list[dict]) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in table]
     lines.insert(1, "-" * len(lines[0]))
-    cover = coverage(rows)
-    if cover:
-        lines.append("")
-        lines.append("boundary classes covered (cases, worst ratio):")
-        for backend, labels in cover.items():
-            items = [f"{k}: {v['n']}" + (f" ({v['max_ratio']:.2f})" if v["max_ratio"] is not None else "")
-                     for k, v in sorted(labels.items())]
-            lines.append(f"  {backend}: " + "; ".join(items))
+    for backend, labels in coverage(rows).items():
+        lines += ["", f"boundary classes covered on {backend} (cases, worst ratio over its checks):"]
+        cells = [f"{k}: {v['n']}" + (f" ({v['max_ratio']:.2f})" if v["max_ratio"] is not None else "")
+                 for k, v in sorted(labels.items())]
+        width = max(map(len, cells)) + 2
+        for i in range(0, len(cells), 3):
+            lines.append("  " + "".join(c.ljust(width) for c in cells[i:i + 3]).rstrip())
     return "\n".join(lines)
 
 

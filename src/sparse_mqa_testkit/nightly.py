@@ -1,0 +1,126 @@
+"""Nightly fuzzing: the suite in the ``nightly`` profile for a time budget, turning what it finds into regressions.
+
+Runs the suite in rounds (each a child pytest), sizing each round's examples per test from the last round's
+speed so the budget is kept, with a persistent example database (a failure found here replays first in any
+later run pointed at the same database: ``pytest --smqa-database DIR``). Progress lines show examples,
+failures and time left. On a failure it writes, per failing check, a reproducer to the output folder (the
+one-line replay command, an ``@example(case=Case(...))`` decorator, and Hypothesis's own patch under
+``OUT/hypothesis/patches``) and exits non-zero. Every run appends the worst observed error-to-tolerance ratio
+per check and boundary class to a JSON ledger, so a slow creep toward the tolerance shows before it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from . import profiles, suite
+
+FIRST_ROUND = 20  # examples per test in the first round, to measure speed
+MAX_ROUND = 5000
+
+
+def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None, profile="nightly",
+                extra=()) -> int:
+    from .cli import run_suite
+
+    out = Path(out or "nightly-out").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    database = Path(database or os.environ.get(profiles.DATABASE_ENV) or out / "examples").resolve()
+    ledger = Path(ledger or out / "ledger.json")
+    start = time.monotonic()
+    deadline = start + budget
+    n, rounds, examples, failed_rows = FIRST_ROUND, 0, 0, []
+    classes: dict = {}  # backend -> check -> label -> {"n", "max_ratio"}
+    print(f"[nightly] backends {', '.join(backends)}; budget {budget:.0f} s; database {database}; out {out}",
+          flush=True)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 1 or (rounds and left < 0.5 * last_round):
+            break
+        rounds += 1
+        env = dict(os.environ, **{profiles.MAX_EXAMPLES_ENV: str(n), suite.PROGRESS_ENV: "30",
+                                  suite.DEADLINE_ENV: str(time.time() + left),
+                                  "HYPOTHESIS_STORAGE_DIRECTORY": str(out / "hypothesis")})
+        t0 = time.monotonic()
+        rc, data = run_suite(backends, profile=profile, database=database, json_path=out / f"round-{rounds}.json",
+                             extra=extra, env=env, timeout=left + 300)
+        last_round = time.monotonic() - t0
+        rows = data.get("rows", [])
+        cases = sum(r["cases"] for r in rows)
+        examples += cases
+        _merge(classes, rows)
+        failed_rows = [r for r in rows if r["outcome"] in ("failed", "error")]
+        print(f"[nightly] round {rounds}: {n} examples/test, {cases} cases in {last_round:.0f} s; total "
+              f"{examples} cases, {len(failed_rows)} failures, {max(0.0, deadline - time.monotonic()):.0f} s left",
+              flush=True)
+        if rc != 0:
+            if not failed_rows:  # pytest itself failed (usage error, crash, timeout): report it as a failure
+                failed_rows = [{"check": "suite", "backend": ",".join(backends), "nodeid": "-",
+                                "failure": None, "outcome": f"pytest exit status {rc}"}]
+            break
+        per_example = last_round / max(1, n)
+        n = int(max(FIRST_ROUND, min(MAX_ROUND, 0.8 * (deadline - time.monotonic()) / per_example)))
+    elapsed = time.monotonic() - start
+    for row in failed_rows:
+        path = write_reproducer(out, row)
+        print(f"[nightly] FAILURE {row['check']} on {row['backend']}: reproducer {path}", flush=True)
+    append_ledger(ledger, classes, backends=backends, profile=profile, budget=budget, elapsed=elapsed,
+                  rounds=rounds, examples=examples, failures=len(failed_rows))
+    print(f"[nightly] {'FAIL' if failed_rows else 'PASS'}: {rounds} rounds, {examples} cases, "
+          f"{len(failed_rows)} failures in {elapsed:.0f} s; ledger {ledger}", flush=True)
+    return 1 if failed_rows else 0
+
+
+def _merge(classes: dict, rows: list[dict]) -> None:
+    for r in rows:
+        per = classes.setdefault(r["backend"], {}).setdefault(r["check"], {})
+        for label, v in (r.get("coverage") or {}).items():
+            slot = per.setdefault(label, {"n": 0, "max_ratio": None})
+            slot["n"] += v["n"]
+            if v["max_ratio"] is not None:
+                slot["max_ratio"] = max(slot["max_ratio"] or 0.0, v["max_ratio"])
+
+
+def write_reproducer(out: Path, row: dict) -> Path:
+    """A text file with the replay command, the ``@example`` decorator and the failure message."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{row['backend']}-{row['check']}")
+    path = out / f"reproducer-{slug}.txt"
+    fail = row.get("failure")
+    patches = sorted((out / "hypothesis" / "patches").glob("*.patch"))
+    lines = [f"# {row['check']} failed on backend {row['backend']} "
+             f"({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC), test {row.get('nodeid', '-')}"]
+    if fail:
+        lines += ["", "# replay (one line):", fail["repro"], "",
+                  "# regression: add above the failing @given test (sparse_mqa_testkit.property_tests or your own),",
+                  "# with `from hypothesis import example` and `from sparse_mqa_testkit.cases import Case`:",
+                  f"@example(case={fail['case']})", "", "# failure:", fail["message"]]
+    else:
+        lines += ["", f"# no check result was recorded ({row.get('outcome')}); see the round log above"]
+    if patches:
+        lines += ["", "# Hypothesis's patch adding the @example (git apply):"] + [f"#   {p}" for p in patches]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def append_ledger(path: Path, classes: dict, **meta) -> None:
+    """Append this run to the ledger (a JSON list) and print each class's worst ratio next to the last run's."""
+    runs = json.loads(path.read_text()) if path.exists() else []
+    previous = runs[-1]["ratios"] if runs else {}
+    entry = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **meta, "ratios": classes}
+    runs.append(entry)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(runs, indent=1))
+    for backend, checks in classes.items():
+        for check, labels in checks.items():
+            worst = [(v["max_ratio"], k) for k, v in labels.items() if v["max_ratio"] is not None]
+            if not worst:
+                continue
+            r, label = max(worst)
+            prev = previous.get(backend, {}).get(check, {}).get(label, {}).get("max_ratio")
+            was = f" (last run {prev:.3f})" if prev is not None else ""
+            print(f"[nightly] ledger {backend} {check}: worst ratio {r:.3f} at '{label}'{was}", flush=True)
