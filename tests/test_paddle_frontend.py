@@ -165,3 +165,34 @@ def test_case_tensors_match_torch_case_tensors(paddle):
             continue
         assert contract.dtype_name(p[k]) == contract.dtype_name(t[k]) == contract.KERNEL_DTYPES[k]
         assert torch.equal(F.to_torch(p[k], k), t[k])
+
+
+def test_importing_the_subpackage_does_not_import_paddle():
+    import subprocess
+    import sys
+
+    code = ("import sys, sparse_mqa_testkit.paddle as p; p.__all__; "
+            "assert 'paddle' not in sys.modules, 'paddle was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _paddle_gpu():
+    paddle = pytest.importorskip("paddle", reason="needs paddlepaddle-gpu")
+    if not (paddle.is_compiled_with_cuda() and torch.cuda.is_available() and paddle.device.cuda.device_count()):
+        pytest.skip("needs paddlepaddle-gpu and a CUDA GPU (paddlepaddle-gpu is not on our H200 test machine)")
+    return paddle
+
+
+@pytest.mark.gpu
+def test_gpu_round_trip_and_shared_stream():
+    paddle = _paddle_gpu()
+    a = _sample("bfloat16")
+    p = F.from_numpy(a, "gpu:0")
+    stream = paddle.device.Stream()
+    with paddle.device.stream_guard(stream):
+        with F.stream_scope(p):
+            assert torch.cuda.current_stream().cuda_stream == int(stream.stream_base.raw_stream)
+            t = F.to_torch(p, "q")
+            assert t.is_cuda and t.data_ptr() == p.data_ptr()
+            back = F.to_paddle(t * 1, "q")  # a torch kernel queued on paddle's stream
+        assert np.array_equal(_bits(F.to_numpy(back)), _bits(a))
