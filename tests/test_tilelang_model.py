@@ -95,9 +95,10 @@ def test_registered():
 @settings(max_examples=40, deadline=None)
 @given(cases(tiles=BACKEND.tiles, max_h=40))
 def test_drawn_cases_bitwise(case):
-    # Tolerance on drawn cases is not asserted here: with tiny Dqk/Dv, Skv < L (every slot on one row) and
-    # Delta read from the bf16 ``out`` as the contract says, any bf16 tensor-core backward (this model
-    # included) can exceed the calibrated error model; see the report of issue 6. Boundary cases below are.
+    # Tolerance on drawn cases is not asserted here: over 150 drawn cases one (B1 S1 Skv1 H16 L64 5/3: every
+    # slot on one KV row, so the bf16 rounding of P is the same for all slots and does not average out) is
+    # at 1.8x the calibrated error model; that is the bf16-P design every tensor-core backward shares (see
+    # the report of issue 6). The boundary cases below are asserted with the conformance check.
     check_bitwise(case)
 
 
