@@ -59,9 +59,7 @@ class _Call:
 
 
 def _prepare(q, kv, indices, d_v, attn_sink, topk_length, dtype, sm_scale, grad_out=None):
-    dtype = np.dtype(dtype) if _is_dtype_like(dtype) else None
-    if dtype is None or dtype.type not in _FLOAT_DTYPES:
-        raise ValueError(f"dtype must be float32 or float64, got {dtype if dtype is not None else _name(dtype)}")
+    dtype = _compute_dtype(dtype)
     sm_scale = contract.validate_sm_scale(sm_scale)
     q, kv, indices, attn_sink, topk_length, grad_out = map(to_numpy, (q, kv, indices, attn_sink, topk_length,
                                                                       grad_out))
@@ -89,16 +87,15 @@ def _prepare(q, kv, indices, d_v, attn_sink, topk_length, dtype, sm_scale, grad_
     return call, grad_out
 
 
-def _is_dtype_like(dtype) -> bool:
+def _compute_dtype(dtype) -> np.dtype:
+    """float32 or float64, else ValueError naming ``dtype`` (np.dtype(None) would silently mean float64)."""
     try:
-        np.dtype(dtype)
+        dt = None if dtype is None else np.dtype(dtype)
     except TypeError:
-        return False
-    return dtype is not None
-
-
-def _name(x) -> str:
-    return type(x).__name__ if not isinstance(x, str) else repr(x)
+        dt = None
+    if dt is None or dt.type not in _FLOAT_DTYPES:
+        raise ValueError(f"dtype must be float32 or float64, got {dt if dt is not None else repr(dtype)}")
+    return dt
 
 
 def _softmax(c: _Call, s):
@@ -143,22 +140,27 @@ def backward(q, kv, indices, grad_out, *, sm_scale, d_v, attn_sink=None, topk_le
     d, t = c.dims, c.dtype.type
     H, Dqk, Dv = d.H, d.Dqk, d.Dv
     scale = t(c.scale)
-    # a = [q; dO padded to Dqk] per row: one matmul against the gathered K gives scores and dP = <dO, V>
-    a = np.zeros((d.B, d.S, 2 * H, Dqk), c.dtype)
-    a[:, :, :H] = c.q
-    a[:, :, H:, :Dv] = go
+    # a = (q_h, [dO_h; 0]) interleaved per head: one matmul against the gathered K gives scores and
+    # dP = <dO, V>, and the same a is the right factor of the dkv contribution. Interleaving keeps each head's
+    # pair adjacent in the contribution's head sum, so heads appended at the end only append exact zeros.
+    a = np.zeros((d.B, d.S, H, 2, Dqk), c.dtype)
+    a[:, :, :, 0] = c.q
+    a[:, :, :, 1, :Dv] = go
+    a = a.reshape(d.B, d.S, 2 * H, Dqk)
     sd = np.matmul(a, np.swapaxes(c.k, -1, -2))  # [B,S,2H,Lc]
-    s = sd[:, :, :H] * scale
-    dp = sd[:, :, H:]
+    s = sd[:, :, 0::2] * scale
+    dp = sd[:, :, 1::2]
     P, lse, p_sink = _softmax(c, s)
     # Delta = <dO, out> = sum_t P_t <dO, V_t>: the same quantity without recomputing out
     delta = np.einsum("bshl,bshl->bsh", P, dp)
-    w = np.empty((d.B, d.S, 2 * H, P.shape[-1]), c.dtype)  # [scale dS; P]
-    np.multiply(P, dp - delta[..., None], out=w[:, :, :H])
-    dq = np.matmul(w[:, :, :H], c.k)
+    w = np.empty((d.B, d.S, H, 2, P.shape[-1]), c.dtype)  # (scale dS_h, P_h) interleaved like a
+    ds = w[:, :, :, 0]
+    np.multiply(P, dp - delta[..., None], out=ds)
+    dq = np.matmul(ds, c.k)
     dq *= scale
-    w[:, :, :H] *= scale
-    w[:, :, H:] = P
+    ds *= scale
+    w[:, :, :, 1] = P
+    w = w.reshape(d.B, d.S, 2 * H, -1)
     contrib = np.matmul(np.swapaxes(w, -1, -2), a)  # [B,S,Lc,Dqk]: scale dS^T q + P^T [dO; 0]
     dkv = _segment_sum(contrib, c)
     d_sink = None
