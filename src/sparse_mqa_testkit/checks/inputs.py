@@ -35,6 +35,9 @@ def oracle_results(case) -> dict:
         out, lse = oracle.forward(x["q"], x["kv"], x["indices"], dtype=dt, **kw)
         dq, dkv, d_sink = oracle.backward(x["q"], x["kv"], x["indices"], x["grad_out"], dtype=dt, **kw)
         res[key] = {k: _frozen(v) for k, v in dict(out=out, lse=lse, dq=dq, dkv=dkv, d_sink=d_sink).items()}
+    # sum_t P_t kv[idx_t] over all Dqk columns: the direction an error in Delta moves dq along
+    kw_full = dict(kw, d_v=case.Dqk)
+    res["f64"]["out_full"] = _frozen(oracle.forward(x["q"], x["kv"], x["indices"], dtype=np.float64, **kw_full)[0])
     return res
 
 

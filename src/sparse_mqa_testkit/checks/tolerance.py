@@ -26,16 +26,22 @@ from .report import exception_summary, fmt_index, fmt_value, result
 
 K_DEFAULT = 2.5
 
-# Relative-L2 floors per tensor, measured with a NumPy emulation of a bf16 tensor-core kernel (P and dS rounded
-# to bf16 before their matmuls, Delta from the bf16 out, fp32 accumulation in a random order) over drawn
-# cases; see tests/test_checks_tolerance.py::test_emulated_kernel_within_model for the measurement.
+# Relative-L2 floors per tensor. A kernel rounds P and dS to bf16 before its matmuls: an error of the same
+# order as the output rounding the model measures (the issue's real kernels: 1.4x), which k covers on any
+# tensor of more than a few elements. On a tensor of a handful of elements the output rounding can be nearly
+# exact by luck while the intermediate rounding is not, so bf16 outputs also get SMALL_SAMPLE / sqrt(n): one
+# 2^-7 relative unit spread over n elements (3.9e-3 at n = 4, 2.4e-4 at n = 1024, nothing at production
+# sizes). Measured with the emulation in tests/broken_backends.py (EmulatedKernel) over 300 drawn CPU cases
+# (2026-11-30): worst error beyond 2.5 x reference 2.9e-3 on 1- and 2-element tensors, 5.9e-4 at the 99th
+# percentile (dkv); lse at most 8.8e-7 relative; d_sink within the Delta allowance below.
 FLOORS = {
-    "dq": 1e-4,      # bf16 output: k x rounding error dominates; floor only for tensors with a handful of values
-    "dkv": 1e-4,
-    "out": 1e-4,
-    "d_sink": 2e-3,  # fp32 output, but sum of p_sink * Delta with Delta from bf16 out: ~2^-9 / sqrt(n) relative
-    "lse": 1e-5,     # fp32 output from fp32 exp/log (exp2 and log2 in base-2 kernels): a few float32 ulps
+    "dq": 1e-5,
+    "dkv": 1e-5,
+    "out": 1e-5,
+    "d_sink": 1e-5,  # fp32 output: float32 math error ~1e-7; what a kernel adds comes from Delta (see below)
+    "lse": 1e-5,     # fp32 exp/log (or exp2/log2 with approximate intrinsics): a few float32 ulps, 10x margin
 }
+SMALL_SAMPLE = 2.0 ** -7  # bf16 outputs only; divided by sqrt(number of finite elements)
 
 _TORCH_DTYPES = None
 
@@ -69,16 +75,34 @@ def structural_problem(name: str, value, expected_shape, dims_case, *, device: s
     return None
 
 
-def compare_tensor(name: str, kernel, oracle64, ref64, *, k: float = K_DEFAULT, floor: float | None = None):
+ULP_PASS = 1.5  # differences between bf16 values of one binade are whole ulps: < 1.5 means at most one
+
+
+def bf16_ulp(x):
+    """Spacing of bfloat16 values at |x| (float64 torch), at least the smallest subnormal 2^-133."""
+    import torch
+
+    _, e = torch.frexp(x)
+    ulp = torch.ldexp(torch.ones_like(x), (e - 8).to(torch.int32))
+    return torch.where(x == 0, torch.full_like(x, 2.0 ** -133), ulp).clamp_min(2.0 ** -133)
+
+
+def compare_tensor(name: str, kernel, oracle64, ref64, *, k: float = K_DEFAULT, floor: float | None = None,
+                   extra: float = 0.0):
     """Compare one result with the float64 oracle under the error model.
 
+    extra: an absolute L2 allowance for kernel error the rounded oracle does not model (``delta_allowance``).
     Returns (entry, problem): entry has error, allowed, ratio, reference_error, floor, k, mode, mismatches,
     numel, worst_index, worst_kernel, worst_oracle; problem is a message block or None when it passes.
     """
     import torch
 
-    floor = FLOORS.get(name, 1e-4) if floor is None else float(floor)
     a, o, r = as_f64(kernel), as_f64(oracle64), as_f64(ref64)
+    if floor is None:
+        n = max(int(torch.isfinite(o).sum()), 1)
+        small = SMALL_SAMPLE / math.sqrt(n) if contract.KERNEL_DTYPES.get(name) == "bfloat16" else 0.0
+        floor = FLOORS.get(name, 1e-5) + small
+    floor = float(floor)
     entry = {"error": math.inf, "allowed": floor, "ratio": math.inf, "reference_error": 0.0, "floor": floor,
              "k": k, "numel": int(o.numel())}
     # non-finite positions must match exactly, class by class
@@ -102,11 +126,14 @@ def compare_tensor(name: str, kernel, oracle64, ref64, *, k: float = K_DEFAULT, 
         mode = "relative"
         err = float(torch.linalg.vector_norm(d)) / norm_o
         ref_err = float(torch.linalg.vector_norm(rz)) / norm_o
-    else:  # a zero reference has no scale: absolute L2 against the floor
+        floor_eff = floor + extra / norm_o
+    else:  # a zero reference has no scale: absolute L2 against the floor (on the error scale when known)
         mode = "absolute"
         err = float(torch.linalg.vector_norm(d))
         ref_err = float(torch.linalg.vector_norm(rz))
-    allowed = k * ref_err + floor
+        floor_eff = floor + extra
+    allowed = k * ref_err + floor_eff
+    entry["floor_effective"] = floor_eff
     # elementwise bound from the same model: allowed relative error on each element's own scale or the rms
     rms = norm_o / math.sqrt(max(n_fin, 1))
     bound = allowed * (oz.abs() + rms) if mode == "relative" else torch.full_like(oz, allowed)
@@ -118,21 +145,30 @@ def compare_tensor(name: str, kernel, oracle64, ref64, *, k: float = K_DEFAULT, 
     else:
         idx = ()
     ratio = err / allowed if allowed > 0 else (0.0 if err == 0 else math.inf)
+    ulps = None
+    if contract.KERNEL_DTYPES.get(name) == "bfloat16" and n_fin:
+        # A bf16 result within one ulp of the exact value everywhere is as good as a bf16 output gets, even
+        # where the exact value is representable and the rounded oracle has no error at all (e.g. Skv = 1).
+        ulps = float((d.abs() / bf16_ulp(torch.maximum(a.abs(), o.abs()))).masked_fill(~fin, 0).max())
+        entry["max_ulps"] = ulps
+        ratio = min(ratio, ulps / ULP_PASS)
     entry.update(error=err, allowed=allowed, ratio=ratio, reference_error=ref_err, mode=mode,
                  mismatches=mism, worst_index=idx,
                  worst_kernel=float(a[idx]) if o.numel() else math.nan,
                  worst_oracle=float(o[idx]) if o.numel() else math.nan)
-    if err <= allowed:
+    if ratio < 1 or err <= allowed:
         return entry, None
     what = "relative L2 error" if mode == "relative" else "absolute L2 error (oracle is all zero)"
     pct = 100.0 * mism / max(o.numel(), 1)
     msg = (f"{name}: {what} {err:.3e} > allowed {allowed:.3e} "
-           f"(= {k:g} x bf16-output oracle error {ref_err:.3e} + floor {floor:.1e}); ratio {ratio:.3g}\n"
+           f"(= {k:g} x bf16-output oracle error {ref_err:.3e} + floor {floor_eff:.2e}); ratio {ratio:.3g}\n"
            f"  Mismatched elements: {mism} / {o.numel()} ({pct:.1f}%) "
            f"[bound per element: allowed x (|oracle| + rms(oracle))]\n"
            f"  Worst element at index {fmt_index(idx)}: kernel {fmt_value(a[idx])}, oracle {fmt_value(o[idx])} "
            f"(abs diff {fmt_value(abs(float(a[idx]) - float(o[idx])))}, "
-           f"{fmt_value(float(excess.reshape(-1)[flat]))}x its bound)")
+           f"{fmt_value(float(excess.reshape(-1)[flat]))}x its bound)"
+           + ("" if ulps is None else f"\n  Largest difference in bf16 ulps: {ulps:.3g} (a result within 1 ulp "
+                                      "everywhere would pass)"))
     return entry, msg
 
 
@@ -142,6 +178,40 @@ def rounded_reference(name: str, f32_value):
 
     t = as_f64(f32_value).to(torch.float32)
     return t.to(_torch_dtype(contract.KERNEL_DTYPES[name])).to(torch.float64)
+
+
+DELTA_COEF = 2.0 ** -7  # bf16 out holds each element to 2^-9 relative; 4x margin for short dot products
+
+
+def delta_allowance(name: str, case, *, coef: float = DELTA_COEF) -> float:
+    """Absolute L2 error a kernel may add by forming Delta = <dO, out> from the bf16 ``out`` it is given.
+
+    The float64 oracle recomputes out exactly; a kernel reads the rounded one, so Delta is off by up to
+    2^-9 ||dO * out|| per row. That shifts dS_t by P_t * dDelta, hence dq by sm_scale * dDelta * sum_t P_t kv_t
+    and d_sink by sum p_sink * dDelta. Negligible at production sizes, it dominates where dS cancels (one valid
+    slot, all slots on one row), which a purely relative tolerance would misread as a bug.
+    """
+    import torch
+
+    if name not in ("dq", "d_sink"):
+        return 0.0
+    f64 = oracle_results(case)["f64"]
+    x = case.inputs()
+    do = as_f64(x["grad_out"])
+    e_delta = torch.linalg.vector_norm(do * as_f64(f64["out"]), dim=-1)  # [B, S, H]
+    if name == "dq":
+        m = case.scale * e_delta[..., None] * as_f64(f64["out_full"]).abs()
+        return coef * float(torch.linalg.vector_norm(m))
+    if x["attn_sink"] is None:
+        return 0.0
+    lse = as_f64(f64["lse"])
+    sink = as_f64(x["attn_sink"]).expand_as(lse)
+    with torch.no_grad():
+        p_sink = torch.exp(sink - torch.logaddexp(lse, sink))
+    p_sink = torch.where(torch.isposinf(sink), 1.0, p_sink)
+    p_sink = torch.where(torch.isposinf(lse) & ~torch.isposinf(sink), 0.0, p_sink)
+    p_sink = torch.nan_to_num(p_sink, nan=0.0)
+    return coef * float(torch.linalg.vector_norm(torch.linalg.vector_norm(p_sink * e_delta, dim=(0, 1))))
 
 
 def compare_outputs(names, results: dict, case, *, k=K_DEFAULT, floor=None, device=None, sink_given=None):
@@ -166,7 +236,7 @@ def compare_outputs(names, results: dict, case, *, k=K_DEFAULT, floor=None, devi
             worst = math.inf
             continue
         entry, prob = compare_tensor(name, val, ores["f64"][name], rounded_reference(name, ores["f32"][name]),
-                                     k=k, floor=floors.get(name))
+                                     k=k, floor=floors.get(name), extra=delta_allowance(name, case))
         per_tensor[name] = entry
         worst = max(worst, entry["ratio"])
         if prob:
