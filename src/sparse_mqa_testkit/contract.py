@@ -105,6 +105,8 @@ class Dims:
 
 def dtype_name(x) -> str:
     """'bfloat16', 'float32', 'int32', ... for a NumPy array, torch or paddle tensor (or a dtype)."""
+    if isinstance(x, type) and issubclass(x, np.generic):  # np.float32 and friends: a class, its .dtype a descriptor
+        x = np.dtype(x)
     dt = getattr(x, "dtype", x)
     name = str(dt)
     # torch.bfloat16 -> bfloat16, paddle.float32 -> float32; numpy/ml_dtypes print the bare name
