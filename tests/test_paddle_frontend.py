@@ -17,7 +17,10 @@ from sparse_mqa_testkit.torch_io import case_tensors as torch_case_tensors
 
 @pytest.fixture(scope="module")
 def paddle():
-    return pytest.importorskip("paddle", reason="needs paddlepaddle (pip install '.[paddle]')")
+    try:
+        return F.import_paddle()
+    except ImportError:
+        pytest.skip("needs paddlepaddle (pip install '.[paddle]')")
 
 
 # bit patterns that must survive: signed zeros, subnormals, extremes, inf and NaN

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import importlib
 
-from paddle.autograd import PyLayer
-
 from ..backends.validate import check_forward_args
 from ..kernels import autograd as _torch_entry
-from .frontend import is_paddle_tensor, stream_scope, to_paddle, to_torch
+from .frontend import import_paddle, is_paddle_tensor, stream_scope, to_paddle, to_torch
+
+PyLayer = import_paddle().autograd.PyLayer
 
 
 def _resolve(spec):

@@ -21,8 +21,22 @@ Streams (GPU)
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import numpy as np
+
+
+def import_paddle():
+    """``import paddle``, without the "No ccache found" warning its import prints (it concerns building C++
+    extensions, which this package never does); ImportError names the extra to install."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+            import paddle
+    except ImportError as e:
+        raise ImportError(f"the Paddle frontend needs paddlepaddle: pip install 'sparse-mqa-testkit[paddle]' ({e})"
+                          ) from e
+    return paddle
 
 
 def is_paddle_tensor(x) -> bool:
@@ -49,9 +63,9 @@ def to_torch(x, name: str = "tensor"):
 
 def to_paddle(t, name: str = "tensor"):
     """A torch tensor as a paddle tensor sharing its memory (DLPack); None stays None."""
-    import paddle
     import torch
 
+    paddle = import_paddle()
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
@@ -81,7 +95,7 @@ def to_numpy(x) -> np.ndarray | None:
 
 def from_numpy(a, place: str = "cpu"):
     """A NumPy array (``ml_dtypes.bfloat16`` included) as a paddle tensor on ``place`` ("cpu", "gpu:0", ...)."""
-    import paddle
+    paddle = import_paddle()
 
     if a is None:
         return None
@@ -108,8 +122,9 @@ def stream_scope(x):
     if x is None or not x.place.is_gpu_place():
         yield
         return
-    import paddle
     import torch
+
+    paddle = import_paddle()
 
     dev = x.place.gpu_device_id()
     ptr = int(paddle.device.current_stream(f"gpu:{dev}").stream_base.raw_stream)
