@@ -163,7 +163,9 @@ GPU_CASE = Case(B=2, S=16, Skv=256, H=64, L=128, Dqk=576, Dv=512, sink="finite",
 
 
 def _require(module, attr):
+    """Our kernel entry point, or a skip: the module must import and TileLang (imported lazily) be installed."""
     try:
+        importlib.import_module("tilelang")
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
         pytest.skip(f"{module}.{attr} is not available here: {exc}")

@@ -180,8 +180,18 @@ def test_missing_cutlass_dsl_names_gpu_extra(monkeypatch):
         cu.CudnnBackend().require()
 
 
+def test_missing_tvm_ffi_names_gpu_extra(monkeypatch):
+    # seen on an H200 with cudnn-frontend and the DSL but no apache-tvm-ffi: the first execute failed deep
+    # inside the DSL's from_dlpack; the backend now says so up front
+    monkeypatch.setitem(sys.modules, "cutlass", types.ModuleType("cutlass"))
+    monkeypatch.setitem(sys.modules, "tvm_ffi", None)
+    with pytest.raises(cu.MissingDependency, match=r"apache-tvm-ffi.*sparse-mqa-testkit\[gpu\]"):
+        cu.load_dsa()
+
+
 def test_missing_cudnn_frontend_names_gpu_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "cutlass", types.ModuleType("cutlass"))
+    monkeypatch.setitem(sys.modules, "tvm_ffi", types.ModuleType("tvm_ffi"))
     monkeypatch.setitem(sys.modules, "cudnn", None)
     with pytest.raises(cu.MissingDependency, match=r"nvidia-cudnn-frontend==1\.32\.0.*sparse-mqa-testkit\[gpu\]"):
         cu.load_dsa()

@@ -32,7 +32,7 @@ INDEX_LIMIT = 2**31  # global kv rows are int32
 
 
 class MissingDependency(ImportError):
-    """cudnn-frontend or the CUTLASS DSL is not importable; the message names the extra to install."""
+    """cudnn-frontend, the CUTLASS DSL or TVM FFI is not importable; the message names the extra to install."""
 
 
 def load_dsa():
@@ -42,6 +42,14 @@ def load_dsa():
     except ImportError as exc:
         raise MissingDependency(
             f"the cudnn backend needs the NVIDIA CUTLASS DSL (nvidia-cutlass-dsl), which did not import "
+            f"({exc}); install the gpu extra: {GPU_EXTRA_HINT}") from exc
+    try:
+        # the DSL hands tensors to its kernels through TVM FFI (apache-tvm-ffi; the gpu extra brings it with
+        # tilelang); without it cuDNN fails only at the first execute, deep inside from_dlpack
+        import tvm_ffi  # noqa: F401
+    except ImportError as exc:
+        raise MissingDependency(
+            f"the cudnn backend needs apache-tvm-ffi (the CUTLASS DSL's tensor interface), which did not import "
             f"({exc}); install the gpu extra: {GPU_EXTRA_HINT}") from exc
     try:
         from cudnn import DSA
