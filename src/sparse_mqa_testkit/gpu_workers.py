@@ -29,14 +29,14 @@ def cuda_device_count() -> int:
 
 
 def visible_gpus(env: Mapping[str, str] | None = None,
-                 device_count: Callable[[], int] = cuda_device_count) -> list[str]:
+                 device_count: Callable[[], int] | None = None) -> list[str]:
     """The GPU ids to hand to workers, as ``CUDA_VISIBLE_DEVICES`` entries.
 
     ``device_count`` is how many GPUs CUDA sees (it already honours ``CUDA_VISIBLE_DEVICES``); the entries are
     taken from ``CUDA_VISIBLE_DEVICES`` when it is set (ids or UUIDs), else ``0..n-1``.
     """
     env = os.environ if env is None else env
-    n = device_count()
+    n = (device_count or cuda_device_count)()
     if n <= 0:
         return []
     listed = env.get(ENV)

@@ -209,7 +209,7 @@ def smqa_oracle():
     return suite.Oracle()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def smqa_checks(smqa_backend):
     """The checks bound to the backend: ``smqa_checks.tolerance(case)``, ``.determinism(case)``, ``.guards``,
     ``.rejection``, ``.forward_tolerance``; each records, raises ``CheckFailure`` on failure, returns the result."""
@@ -249,7 +249,9 @@ def pytest_runtest_call(item):
         yield
         return
     if rec is None:  # a downstream test using the fixtures: record what its checks saw, too
-        rec = suite.Recorder(check=item.originalname.removeprefix("test_"), backend=str(backend.name))
+        params = getattr(item, "callspec", None)
+        name = params.params.get("smqa_backend") if params else getattr(backend, "name", "?")
+        rec = suite.Recorder(check=item.originalname.removeprefix("test_"), backend=str(name))
         item.user_properties.append((suite.PROPERTY, rec.data()))
         item.stash[_REC] = rec
     rec.tiles = dict(getattr(backend, "tiles", None) or {})

@@ -3,7 +3,7 @@
 Chosen by ``--smqa-profile`` or ``SMQA_PROFILE`` (default ``dev``) and applied to the suite's own tests
 only (``active()``), so a downstream repo's other Hypothesis tests keep their settings.
 
-Example database: ``ci`` has none unless one is given; ``dev`` and ``nightly`` use the directory given by
+Example database: ``ci`` has none unless one is given (then it replays it, and is not derandomized); ``dev`` and ``nightly`` use the directory given by
 ``--smqa-database`` / ``SMQA_DATABASE``, else ``./.hypothesis/smqa`` in the working directory. A database is
 never placed inside the installed package (an installed copy run from a downstream repo must not write into
 site-packages).
@@ -27,7 +27,7 @@ DATABASE_ENV = "SMQA_DATABASE"
 MAX_EXAMPLES_ENV = "SMQA_MAX_EXAMPLES"  # overrides the profile's examples per test (the nightly driver sizes rounds)
 
 # Examples per property test. ci is sized so a 2-core CPU run of `reference` stays well under 3 minutes.
-MAX_EXAMPLES = {"dev": 12, "ci": 60, "nightly": 2000}
+MAX_EXAMPLES = {"dev": 12, "ci": 100, "nightly": 2000}
 
 _SUPPRESS = (HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
              HealthCheck.differing_executors)
@@ -68,7 +68,8 @@ def profile_settings(name: str, database: str | os.PathLike | None = None) -> se
     if name == "dev":
         return settings(phases=_NO_TARGET, **common)
     if name == "ci":
-        return settings(derandomize=True, phases=_NO_TARGET, print_blob=True, **common)
+        # derandomized unless pointed at a database (Hypothesis allows only one: replaying wins)
+        return settings(derandomize=db is None, phases=_NO_TARGET, print_blob=True, **common)
     # nightly: the target phase climbs hypothesis.target(ratio) toward a failure
     return settings(phases=tuple(Phase), print_blob=True, stateful_step_count=50, **common)
 

@@ -269,6 +269,9 @@ class Checks:
     def __init__(self, backend):
         self.backend = backend
 
+    def __repr__(self) -> str:
+        return f"<checks for backend {getattr(self.backend, 'name', '?')}>"
+
     def run(self, check: str, case: Case, **kwargs):
         return run_check(check, self.backend, case, **kwargs)
 

@@ -1,0 +1,189 @@
+"""The pytest plugin seen from a downstream project (pytester): registering a backend, fixtures, options,
+skip reasons on a CPU-only machine, the report header, and where the example database goes."""
+
+import json
+import textwrap
+
+import pytest
+
+from sparse_mqa_testkit import profiles
+
+NO_CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks CPU-only behaviour")
+
+# A downstream kernel: the reference backend under another name, plus a broken one (dq doubled for H >= 2).
+BACKENDS = '''
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class Mine(ReferenceBackend):
+    name = "mine"
+
+class Broken(ReferenceBackend):
+    name = "broken"
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        dq, dkv, ds = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
+                                       topk_length=topk_length)
+        return (dq * 2 if q.shape[2] >= 2 else dq), dkv, ds
+
+class OnGpu(ReferenceBackend):
+    name = "ongpu"
+    device = "cuda"
+    def __init__(self):
+        pass
+
+def needs_missing_package():
+    import no_such_kernel_package  # noqa: F401
+'''
+
+DOWNSTREAM_TEST = '''
+from hypothesis import given, settings
+from sparse_mqa_testkit.strategies import backend_cases
+
+def test_fixtures(smqa_backend, smqa_case, smqa_oracle, smqa_checks):
+    assert smqa_case.tensors["q"].device.type == smqa_backend.device
+    dq, dkv, d_sink = smqa_backend.backward(**smqa_case.backward_args)
+    ref_dq, _, _ = smqa_oracle.backward(smqa_case.case)
+    assert dq.shape == tuple(ref_dq.shape)
+    result = smqa_checks.tolerance(smqa_case.case)
+    assert result.passed and result.ratio < 1
+
+@settings(max_examples=3, database=None, deadline=None)
+@given(case=backend_cases())
+def test_my_property(smqa_backend, smqa_checks, case):
+    smqa_checks.guards(case)
+'''
+
+
+@pytest.fixture(autouse=True)
+def _keep_profile():
+    saved = profiles._active
+    yield
+    profiles._active = saved
+
+
+@pytest.fixture
+def downstream(pytester, monkeypatch):
+    pytester.makepyfile(mykernels=BACKENDS, test_down=DOWNSTREAM_TEST)
+    pytester.syspathinsert()
+    monkeypatch.setenv("SMQA_MAX_EXAMPLES", "2")
+    return pytester
+
+
+def test_backend_by_module_attr_with_the_fixtures(downstream):
+    r = downstream.runpytest_inprocess("-v", "-p", "no:cacheprovider", "--smqa-backend", "mykernels:Mine")
+    r.assert_outcomes(passed=3 + 1)  # test_fixtures x 3 drawn cases, test_my_property
+    r.stdout.fnmatch_lines(["*test_fixtures?mykernels:Mine-case0? PASSED*",
+                            "*test_my_property?mykernels:Mine? PASSED*",
+                            "*sparse-mqa-testkit conformance*", "*my_property*mykernels:Mine*3*PASS*"])
+
+
+def test_backend_by_entry_point(downstream):
+    dist = downstream.path / "mykernels_pkg-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mykernels-pkg\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[sparse_mqa_testkit.backends]\nmine-ep = mykernels:Mine\n")
+    from sparse_mqa_testkit.backends import available_backends
+
+    assert "mine-ep" in available_backends()
+    r = downstream.runpytest_inprocess("-v", "-p", "no:cacheprovider", "--smqa-backend", "mine-ep",
+                                       "-k", "fixtures")
+    r.assert_outcomes(passed=3)
+    r.stdout.fnmatch_lines(["*test_fixtures?mine-ep-case0? PASSED*"])
+
+
+def test_repeatable_and_comma_separated_backends_each_run_once(downstream):
+    r = downstream.runpytest_inprocess("-v", "-p", "no:cacheprovider", "-k", "my_property",
+                                       "--smqa-backend", "reference", "--smqa-backend", "mykernels:Mine,reference")
+    r.assert_outcomes(passed=2)
+    r.stdout.fnmatch_lines(["*test_my_property?reference? PASSED*", "*test_my_property?mykernels:Mine? PASSED*"])
+
+
+def test_header_names_versions_backends_and_profile(downstream, monkeypatch):
+    monkeypatch.setenv("SMQA_PROFILE", "ci")
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--co", "--smqa-backend", "reference")
+    r.stdout.fnmatch_lines(["sparse-mqa-testkit: backends reference; profile ci (2 examples/test, database none)",
+                            "GPU: *driver*; CUDA *; torch *; tilelang *; cudnn-frontend *"])
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--co", "--smqa-profile", "nightly")
+    r.stdout.fnmatch_lines(["*profile nightly*"])
+
+
+def test_bad_options_are_usage_errors(downstream):
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--smqa-profile", "fast")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["*--smqa-profile*invalid choice*"])
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--smqa-backend", "nosuchbackend", "-k", "property")
+    assert r.ret != 0
+    r.stdout.fnmatch_lines(["*unknown backend 'nosuchbackend'*"])
+
+
+@NO_CUDA
+def test_skip_reasons_on_a_cpu_only_machine(downstream):
+    downstream.makepyfile(test_gpu='''
+        import pytest
+
+        @pytest.mark.gpu
+        def test_needs_gpu():
+            raise AssertionError("must not run without CUDA")
+    ''')
+    r = downstream.runpytest_inprocess("-rs", "-p", "no:cacheprovider", "--smqa-backend", "mykernels:OnGpu",
+                                       "--smqa-backend", "mykernels:needs_missing_package")
+    r.assert_outcomes(skipped=1 + 2 * 4)
+    r.stdout.fnmatch_lines([
+        "*backend 'mykernels:OnGpu' (device cuda) needs a CUDA GPU*",
+        "*backend 'mykernels:needs_missing_package' unavailable: No module named 'no_such_kernel_package'*",
+        "*this test needs a CUDA GPU: torch.cuda.is_available() is False*"])
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--smqa-require-gpu", "test_gpu.py")
+    r.assert_outcomes(errors=1)  # fails in setup: the test itself never runs
+    r.stdout.fnmatch_lines(["*needs a CUDA GPU*--smqa-require-gpu*"])
+
+
+def test_installed_suite_from_a_downstream_repo(downstream, monkeypatch):
+    """--pyargs runs the installed suite; a failure names the check, the case and the replay command; the
+    example database lands in the downstream repo, never in the installed package."""
+    import sparse_mqa_testkit
+
+    pkg = __import__("pathlib").Path(sparse_mqa_testkit.__file__).parent
+    before = {p for p in pkg.rglob("*") if ".hypothesis" in p.parts}
+    out = downstream.path / "smqa.json"
+    monkeypatch.setenv("SMQA_MAX_EXAMPLES", "10")
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--pyargs", "sparse_mqa_testkit.property_tests",
+                                       "--smqa-backend", "mykernels:Broken", "--smqa-json", str(out),
+                                       "-k", "tolerance and not forward")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*tolerance check failed for backend 'broken'*",
+                            "*sparse-mqa-check --backend broken --check tolerance --replay \"Case(*",
+                            "*tolerance*mykernels:Broken*FAIL*"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["check"], r["outcome"]) for r in rows] == [("tolerance", "failed")]
+    assert rows[0]["failure"]["repro"].startswith("sparse-mqa-check --backend broken --check tolerance")
+    from sparse_mqa_testkit.cases import Case
+
+    assert eval(rows[0]["failure"]["case"], {"Case": Case}).H == 2  # shrunk to the smallest failing H
+    assert (downstream.path / ".hypothesis" / "smqa").is_dir()
+    assert {p for p in pkg.rglob("*") if ".hypothesis" in p.parts} == before
+
+
+def test_database_never_defaults_into_the_package(tmp_path, monkeypatch):
+    monkeypatch.delenv("SMQA_DATABASE", raising=False)
+    pkg = profiles._package_dir()
+    assert profiles.database_dir(cwd=pkg / "property_tests") is None
+    assert profiles.database_dir(cwd=tmp_path) == tmp_path.resolve() / ".hypothesis" / "smqa"
+    assert profiles.database_dir(tmp_path / "db") == (tmp_path / "db").resolve()
+    assert profiles.profile_settings("ci").database is None
+    assert profiles.profile_settings("ci", tmp_path / "db").database is not None
+    s = profiles.profile_settings("ci")
+    assert s.derandomize and s.deadline is None
+
+
+def test_profiles_apply_to_the_suite_only():
+    from hypothesis import settings
+
+    default_before = settings.default
+    profiles.select("nightly")
+    assert profiles.active_name() == "nightly"
+    assert settings.default is default_before
+    from hypothesis import Phase
+
+    assert Phase.target in profiles.active().phases
+    assert Phase.target not in profiles.profile_settings("dev").phases
+    with pytest.raises(ValueError, match="profile must be one of"):
+        profiles.profile_settings("fast")
