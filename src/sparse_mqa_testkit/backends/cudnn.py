@@ -44,8 +44,8 @@ def load_dsa():
             f"the cudnn backend needs the NVIDIA CUTLASS DSL (nvidia-cutlass-dsl), which did not import "
             f"({exc}); install the gpu extra: {GPU_EXTRA_HINT}") from exc
     try:
-        # the DSL hands tensors to its kernels through TVM FFI (apache-tvm-ffi; the gpu extra brings it with
-        # tilelang); without it cuDNN fails only at the first execute, deep inside from_dlpack
+        # the DSL hands tensors to its kernels through TVM FFI (apache-tvm-ffi, a requirement of cudnn-frontend
+        # 1.32 that a partial install can lack); without it cuDNN fails only at the first execute, in from_dlpack
         import tvm_ffi  # noqa: F401
     except ImportError as exc:
         raise MissingDependency(
