@@ -429,7 +429,10 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sparse-mqa-bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="sparse-mqa-bench",
+        description="Time forward and backward backends side by side (CUDA events, median over rotated input "
+                    "sets); print a table, write JSON, optionally plot the S and L sweeps.")
     p.add_argument("--backward", type=_names, default=("cudnn", "tilelang"),
                    help="comma-separated backward backends (registry names; default cudnn,tilelang)")
     p.add_argument("--forward", type=_names, default=("tilelang",),
