@@ -102,3 +102,64 @@ def test_run_to_run_drift_fails_determinism_through_paddle(backend):
 
     res = check_determinism(through_paddle(_jittery()), CASES[0])
     assert not res.passed and "dkv" in res.message
+
+
+# ---- a backend that speaks paddle natively, checked through TorchFacing ------------------------------------
+
+class PaddleNativeReference:
+    """A Paddle kernel stand-in with no torch inside: contract validation and the oracle on paddle tensors."""
+
+    name = "paddle-native-reference"
+    device = "cpu"
+    deterministic = True
+    tiles: dict = {}
+    dims = None
+
+    def supports(self, case):
+        return None
+
+    def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
+        import numpy as np
+
+        from sparse_mqa_testkit import oracle
+        from sparse_mqa_testkit.backends.validate import check_forward_args
+        from sparse_mqa_testkit.paddle.frontend import from_numpy
+
+        check_forward_args(q, kv, indices, sm_scale, d_v, attn_sink=attn_sink, topk_length=topk_length)
+        out, lse = oracle.forward(q, kv, indices, sm_scale=sm_scale, d_v=d_v, attn_sink=attn_sink,
+                                  topk_length=topk_length, dtype=np.float32)
+        return from_numpy(oracle.round_bf16(out)), from_numpy(np.asarray(lse, np.float32))
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        import numpy as np
+
+        from sparse_mqa_testkit import oracle
+        from sparse_mqa_testkit.backends.validate import check_backward_args
+        from sparse_mqa_testkit.paddle.frontend import from_numpy
+
+        dims = check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length)
+        dq, dkv, d_sink = oracle.backward(q, kv, indices, grad_out, sm_scale=sm_scale, d_v=dims.Dv,
+                                          attn_sink=attn_sink, topk_length=topk_length, dtype=np.float32)
+        return (from_numpy(oracle.round_bf16(dq)), from_numpy(oracle.round_bf16(dkv)),
+                None if d_sink is None else from_numpy(np.asarray(d_sink, np.float32)))
+
+
+@pytest.mark.parametrize("case", CASES[1:3], ids=lambda c: c.describe())
+def test_a_paddle_native_backend_passes_through_torch_facing(backend, case):
+    import torch
+
+    from sparse_mqa_testkit import checks
+    from sparse_mqa_testkit.backends import get_backend
+    from sparse_mqa_testkit.paddle.backend import TorchFacing
+
+    native = TorchFacing(PaddleNativeReference())
+    for check in (checks.check_backward_tolerance, checks.check_forward_tolerance, checks.check_determinism,
+                  checks.check_guards, checks.check_rejection):
+        check(native, case).raise_if_failed()
+    # and it is the torch reference, bit for bit
+    t = checks.backend_inputs(native, case)
+    args = (t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"], t["sm_scale"])
+    want = get_backend("reference").backward(*args, topk_length=t["topk_length"])
+    got = native.backward(*args, topk_length=t["topk_length"])
+    for w, g in zip(want, got):
+        assert (w is None and g is None) or (w.dtype == g.dtype and torch.equal(w, g))

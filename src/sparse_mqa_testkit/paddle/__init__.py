@@ -15,6 +15,8 @@ _LAZY = {
     "stream_scope": "sparse_mqa_testkit.paddle.frontend",
     "PaddleBackend": "sparse_mqa_testkit.paddle.backend",
     "through_paddle": "sparse_mqa_testkit.paddle.backend",
+    "TorchFacing": "sparse_mqa_testkit.paddle.backend",
+    "import_paddle": "sparse_mqa_testkit.paddle.frontend",
     "sparse_mqa_attention": "sparse_mqa_testkit.paddle.autograd",
 }
 

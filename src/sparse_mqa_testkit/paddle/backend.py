@@ -4,10 +4,12 @@
 named in paddle's terms: ``grad_out must be bfloat16, got float16``), hands them to the torch backend through
 DLPack without a copy, and gives paddle tensors back.
 
-``through_paddle(backend)`` is a torch-facing backend whose every call goes torch -> paddle ->
-``PaddleBackend`` -> paddle -> torch. The checks in ``sparse_mqa_testkit.checks`` speak torch; run them on
-``through_paddle("reference")`` and each input and result crosses the Paddle frontend both ways, as real
-``paddle.Tensor`` objects validated by the paddle path.
+``TorchFacing(paddle_backend)`` is the other direction: a backend that speaks paddle (a Paddle kernel) seen
+from torch, so the checks in ``sparse_mqa_testkit.checks`` (which speak torch) run on it unchanged.
+
+``through_paddle(backend)`` is both together: every call goes torch -> paddle -> ``PaddleBackend`` -> torch
+backend -> paddle -> torch. Run the checks on ``through_paddle("reference")`` and each input and result
+crosses the Paddle frontend both ways, as real ``paddle.Tensor`` objects validated by the paddle path.
 """
 
 from __future__ import annotations
@@ -90,31 +92,38 @@ def _torch_to_paddle(name, x):
     return to_paddle(x, name) if isinstance(x, torch.Tensor) else x
 
 
-class ThroughPaddle(_Delegating):
-    """A torch-facing backend whose calls all cross the Paddle frontend (see the module docstring)."""
+class TorchFacing(_Delegating):
+    """A backend that speaks paddle, seen from torch: tensors cross to paddle, results cross back.
 
-    def __init__(self, backend):
-        super().__init__(backend, "through-paddle")
-        self.paddle = PaddleBackend(self.inner)
+    Use it to run the conformance checks (which speak torch) on a Paddle kernel:
+    ``check_backward_tolerance(TorchFacing(my_paddle_backend), case)``.
+    """
+
+    def __init__(self, paddle_backend, label: str = "torch-facing"):
+        super().__init__(paddle_backend, label)
 
     def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
         p = [_torch_to_paddle(n, x) for n, x in zip(_BACKWARD_ARGS, (q, kv, out, grad_out, lse, attn_sink, indices))]
-        res = self.paddle.backward(*p, sm_scale, topk_length=_torch_to_paddle("topk_length", topk_length))
+        res = self.inner.backward(*p, sm_scale, topk_length=_torch_to_paddle("topk_length", topk_length))
         return tuple(to_torch(r, n) for n, r in zip(("dq", "dkv", "d_sink"), res))
 
     def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
-        out, lse = self.paddle.forward(_torch_to_paddle("q", q), _torch_to_paddle("kv", kv),
-                                       _torch_to_paddle("indices", indices), sm_scale, d_v,
-                                       attn_sink=_torch_to_paddle("attn_sink", attn_sink),
-                                       topk_length=_torch_to_paddle("topk_length", topk_length))
+        out, lse = self.inner.forward(_torch_to_paddle("q", q), _torch_to_paddle("kv", kv),
+                                      _torch_to_paddle("indices", indices), sm_scale, d_v,
+                                      attn_sink=_torch_to_paddle("attn_sink", attn_sink),
+                                      topk_length=_torch_to_paddle("topk_length", topk_length))
         return to_torch(out, "out"), to_torch(lse, "lse")
 
 
-def through_paddle(backend="reference") -> ThroughPaddle:
-    """``backend`` (object or registered name) seen from torch, every call routed through paddle tensors."""
-    return ThroughPaddle(backend)
+def through_paddle(backend="reference") -> TorchFacing:
+    """A torch backend (object or registered name) seen from torch with every call routed through paddle
+    tensors: ``TorchFacing(PaddleBackend(backend))``."""
+    inner = _resolve(backend)
+    facing = TorchFacing(PaddleBackend(inner))
+    facing.name = f"through-paddle[{inner.name}]"
+    return facing
 
 
-def reference_through_paddle() -> ThroughPaddle:
+def reference_through_paddle() -> TorchFacing:
     """Zero-argument factory for ``--backend sparse_mqa_testkit.paddle.backend:reference_through_paddle``."""
-    return ThroughPaddle("reference")
+    return through_paddle("reference")
