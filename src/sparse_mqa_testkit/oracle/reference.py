@@ -11,8 +11,8 @@ How it stays exact and cheap:
   rows or slots. The backward stacks [q; dO] to get scores and dP from one matmul, and [dS | P] to get each
   slot's dkv contribution from one matmul.
 - dkv is summed in a fixed order (rows, then slots, in ascending order) by placing each contribution in a
-  [Skv, max multiplicity] grid and reducing over that axis sequentially: deterministic, exact in the asked
-  dtype's arithmetic, no np.add.at and no cumulative-sum differences.
+  [Skv, max multiplicity] grid and reducing over that axis: deterministic, exact in the asked dtype's
+  arithmetic, no np.add.at and no cumulative-sum differences. d_sink is accumulated over rows in order.
 """
 
 from __future__ import annotations
@@ -165,7 +165,9 @@ def backward(q, kv, indices, grad_out, *, sm_scale, d_v, attn_sink=None, topk_le
     dkv = _segment_sum(contrib, c)
     d_sink = None
     if c.sink is not None:
-        d_sink = -(p_sink * delta).sum(axis=(0, 1)).astype(c.dtype)
+        # summed over rows strictly in order (accumulate, not the pairwise sum), so rows that carry nothing
+        # (empty rows add exact zeros) cannot change a bit of it
+        d_sink = -np.add.accumulate((p_sink * delta).reshape(-1, H), axis=0)[-1].astype(c.dtype)
     return dq.astype(c.dtype, copy=False), dkv, d_sink
 
 
@@ -174,7 +176,7 @@ def _segment_sum(contrib, c: _Call):
 
     Each valid contribution goes to cell (j, rank) of a zero grid [B*Skv, max multiplicity, Dqk], rank being
     its position among row j's contributions in (b, i, slot) order; the grid is then reduced over the rank
-    axis, which NumPy does as a sequential accumulation (the reduced axis is not the inner one). Adding the
+    axis in a fixed order (sequentially when Dqk > 1, the reduced axis not being the inner one). Adding the
     grid's zero padding leaves every sum exact.
     """
     d = c.dims
