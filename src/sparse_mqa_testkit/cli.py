@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         return run_nightly(backends, budget=args.budget, out=args.out, database=args.database,
                            ledger=args.ledger, profile=args.profile or "nightly", extra=extra)
     if args.check:
-        extra = ["-k", f"test_{args.check.removeprefix('check_')}", *extra]
+        extra = ["--smqa-check", args.check, *extra]
     t0 = time.monotonic()
     rc, data = run_suite(backends, profile=args.profile, database=args.database, json_path=args.json,
                          extra=extra)

@@ -43,6 +43,9 @@ def pytest_addoption(parser):
                 help=f"Hypothesis profile for the suite (default ${profiles.PROFILE_ENV} or dev)")
     g.addoption("--smqa-database", default=None, metavar="DIR",
                 help=f"Hypothesis example database directory (default ${profiles.DATABASE_ENV})")
+    g.addoption("--smqa-check", action="append", default=[], metavar="NAME",
+                help="run only these checks of the suite (tolerance, forward_tolerance, determinism, rejection, "
+                     "guards, boundary_coverage; repeatable)")
     g.addoption("--smqa-json", default=None, metavar="PATH",
                 help="write the conformance table (per test: cases, worst ratio, coverage, failure) as JSON")
     g.addoption("--smqa-require-gpu", action="store_true",
@@ -145,6 +148,20 @@ def pytest_generate_tests(metafunc):
         marker = metafunc.definition.get_closest_marker("smqa_cases")
         n = int(marker.args[0]) if marker and marker.args else 3
         metafunc.parametrize("smqa_case", range(n), ids=[f"case{i}" for i in range(n)], indirect=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    wanted = [c.removeprefix("check_") for c in config.getoption("smqa_check")]
+    if not wanted:
+        return
+    keep, drop = [], []
+    for item in items:
+        name = getattr(item, "originalname", item.name)
+        chosen = any(name == f"test_{c}" or name.startswith(f"test_{c}_") for c in wanted)
+        (keep if chosen or not _is_suite(item) else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def _argnames(marker) -> list[str]:

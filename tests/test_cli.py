@@ -1,0 +1,97 @@
+"""sparse-mqa-check: replay, precompile, the main job on a broken backend, and a nightly run whose failure
+becomes a reproducer, a ledger entry and a database entry the next plain run replays."""
+
+import json
+import sys
+import types
+
+import pytest
+
+from sparse_mqa_testkit import cli
+from sparse_mqa_testkit.nightly import run_nightly
+
+# dq doubled when H >= 2: the simplest case (H = 1) passes, so a failure needs searching (or the database)
+BROKEN = '''
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class Broken(ReferenceBackend):
+    name = "broken"
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        dq, dkv, ds = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
+                                       topk_length=topk_length)
+        return (dq * 2 if q.shape[2] >= 2 else dq), dkv, ds
+'''
+
+
+@pytest.fixture
+def broken(tmp_path, monkeypatch):
+    (tmp_path / "brokenkernels.py").write_text(BROKEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    monkeypatch.chdir(tmp_path)
+    return "brokenkernels:Broken"
+
+
+def test_replay_passes_and_fails_with_the_message(broken, capsys):
+    assert cli.main(["--backend", "reference", "--check", "tolerance", "--replay", "Case(H=3, seed=1)"]) == 0
+    assert "PASS: tolerance on backend reference" in capsys.readouterr().out
+    assert cli.main(["--backend", broken, "--check", "tolerance", "--replay", "Case(H=3, seed=1)"]) == 1
+    out = capsys.readouterr().out
+    assert "tolerance check failed for backend 'broken'" in out and "dq: relative L2 error" in out
+
+
+def test_replay_refuses_anything_but_a_case(capsys):
+    assert cli.main(["--check", "tolerance", "--replay", "__import__('os')"]) == 2
+    assert cli.main(["--replay", "Case()"]) == 2
+    assert "--replay needs --check" in capsys.readouterr().err
+
+
+def test_precompile_reports_missing_modules_and_lists_variants(tmp_path, monkeypatch, capsys):
+    fake = types.ModuleType("fake_kernels")
+    fake.precompile = lambda: ["fwd h16 sm_90a", "fwd h64 sm_90a"]
+    monkeypatch.setitem(sys.modules, "fake_kernels", fake)
+    monkeypatch.setitem(sys.modules, "fake_no_precompile", types.ModuleType("fake_no_precompile"))
+    monkeypatch.setenv("TILELANG_CACHE_DIR", "unchanged")
+    monkeypatch.setattr(cli, "PRECOMPILE_MODULES", ("fake_kernels",))
+    assert cli.main(["--precompile", str(tmp_path / "cache")]) == 0
+    out = capsys.readouterr().out
+    assert "fake_kernels: 2 kernel variants compiled" in out and "fwd h64 sm_90a" in out
+    assert __import__("os").environ["TILELANG_CACHE_DIR"] == str((tmp_path / "cache").resolve())
+    monkeypatch.setattr(cli, "PRECOMPILE_MODULES", ("fake_kernels", "no_such_module_xyz", "fake_no_precompile"))
+    assert cli.main(["--precompile", str(tmp_path / "cache")]) == 1
+    out = capsys.readouterr().out
+    assert "no_such_module_xyz: cannot be imported" in out and "NOT precompiled" in out
+    assert "fake_no_precompile: has no precompile()" in out and "(incomplete, see above)" in out
+
+
+def test_main_job_fails_on_a_broken_backend_with_table_and_json(broken, tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("SMQA_MAX_EXAMPLES", "10")
+    rc = cli.main(["--backend", broken, "--check", "tolerance", "--json", str(tmp_path / "r.json")])
+    assert rc == 1
+    out = capfd.readouterr().out
+    assert "tolerance  brokenkernels:Broken" in out and "FAIL" in out
+    assert "sparse-mqa-check: FAIL" in out and 'replay: sparse-mqa-check --backend broken --check tolerance' in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert {(r["check"], r["outcome"]) for r in data["rows"]} == {("tolerance", "failed")}
+
+
+def test_nightly_failure_becomes_reproducer_ledger_and_replays_from_the_database(broken, tmp_path, monkeypatch,
+                                                                                  capfd):
+    out = tmp_path / "night"
+    rc = run_nightly([broken], budget=60, out=out, extra=["--smqa-check", "tolerance"])
+    assert rc == 1
+    printed = capfd.readouterr().out
+    assert "[nightly] round 1:" in printed and "s left" in printed and "FAILURE tolerance" in printed
+    (repro,) = out.glob("reproducer-*.txt")
+    text = repro.read_text()
+    assert "sparse-mqa-check --backend broken --check tolerance --replay \"Case(" in text
+    assert "@example(case=Case(" in text
+    ledger = json.loads((out / "ledger.json").read_text())
+    assert ledger[-1]["failures"] == 1 and ledger[-1]["ratios"]["brokenkernels:Broken"]["tolerance"]
+    # the next plain run pointed at the same database replays the failure; without it, ci's one
+    # derandomized example (the simplest case, H = 1) passes
+    monkeypatch.setenv("SMQA_MAX_EXAMPLES", "1")
+    rc, _ = cli.run_suite([broken], profile="ci", extra=["--smqa-check", "tolerance"])
+    assert rc == 0
+    rc, data = cli.run_suite([broken], profile="ci", database=out / "examples", extra=["--smqa-check", "tolerance"])
+    assert rc == 1 and data["rows"][0]["outcome"] == "failed"
