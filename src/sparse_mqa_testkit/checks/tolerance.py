@@ -183,34 +183,60 @@ def rounded_reference(name: str, f32_value):
 DELTA_COEF = 2.0 ** -7  # bf16 out holds each element to 2^-9 relative; 4x margin for short dot products
 
 
+def _p_sink(lse, sink):
+    """The sink's probability per [B, S, H] with the contract's conventions (+inf sink: 1; empty row: 0)."""
+    import torch
+
+    p = torch.exp(sink - torch.logaddexp(lse, sink))
+    p = torch.where(torch.isposinf(sink), 1.0, p)
+    p = torch.where(torch.isposinf(lse) & ~torch.isposinf(sink), 0.0, p)
+    return torch.nan_to_num(p, nan=0.0)
+
+
+def _slot_probs(case, lse):
+    """P [B, S, H, L] in float64 from the inputs and the oracle's lse (0 on invalid slots and empty rows)."""
+    import numpy as np
+    import torch
+
+    x = case.inputs()
+    valid = torch.from_numpy(contract.valid_mask(x["indices"], case.Skv, x["topk_length"]))
+    safe = torch.where(valid, torch.from_numpy(x["indices"].astype(np.int64)), 0)
+    kv = as_f64(x["kv"])
+    K = kv[torch.arange(case.B)[:, None, None], safe]  # [B, S, L, Dqk]
+    s = torch.einsum("bshd,bsld->bshl", as_f64(x["q"]), K) * case.scale
+    denom = lse if x["attn_sink"] is None else torch.logaddexp(lse, as_f64(x["attn_sink"]).expand_as(lse))
+    P = torch.exp(s - denom[..., None])
+    return torch.where(valid[:, :, None, :] & torch.isfinite(denom)[..., None], P, 0.0)
+
+
 def delta_allowance(name: str, case, *, coef: float = DELTA_COEF) -> float:
     """Absolute L2 error a kernel may add by forming Delta = <dO, out> from the bf16 ``out`` it is given.
 
     The float64 oracle recomputes out exactly; a kernel reads the rounded one, so Delta is off by up to
-    2^-9 ||dO * out|| per row. That shifts dS_t by P_t * dDelta, hence dq by sm_scale * dDelta * sum_t P_t kv_t
-    and d_sink by sum p_sink * dDelta. Negligible at production sizes, it dominates where dS cancels (one valid
-    slot, all slots on one row), which a purely relative tolerance would misread as a bug.
+    2^-9 ||dO * out|| per row (e_Delta). That shifts dS_t by P_t dDelta, hence dq by sm_scale dDelta
+    sum_t P_t kv_t, dkv rows by sm_scale P_t dDelta q and d_sink by sum p_sink dDelta (rows independent, so
+    their shifts add in L2). Negligible at production sizes, it dominates wherever dS cancels (a peaked
+    softmax, one valid slot, every slot on one row), which a purely relative tolerance misreads as a bug.
     """
     import torch
 
-    if name not in ("dq", "d_sink"):
+    if name not in ("dq", "dkv", "d_sink"):
         return 0.0
     f64 = oracle_results(case)["f64"]
     x = case.inputs()
     do = as_f64(x["grad_out"])
     e_delta = torch.linalg.vector_norm(do * as_f64(f64["out"]), dim=-1)  # [B, S, H]
+    lse = as_f64(f64["lse"])
     if name == "dq":
         m = case.scale * e_delta[..., None] * as_f64(f64["out_full"]).abs()
         return coef * float(torch.linalg.vector_norm(m))
+    if name == "dkv":
+        p2 = (_slot_probs(case, lse) ** 2).sum(-1)  # [B, S, H]
+        q2 = (as_f64(x["q"]) ** 2).sum(-1)
+        return coef * case.scale * float(torch.sqrt((p2 * q2 * e_delta ** 2).sum()))
     if x["attn_sink"] is None:
         return 0.0
-    lse = as_f64(f64["lse"])
-    sink = as_f64(x["attn_sink"]).expand_as(lse)
-    with torch.no_grad():
-        p_sink = torch.exp(sink - torch.logaddexp(lse, sink))
-    p_sink = torch.where(torch.isposinf(sink), 1.0, p_sink)
-    p_sink = torch.where(torch.isposinf(lse) & ~torch.isposinf(sink), 0.0, p_sink)
-    p_sink = torch.nan_to_num(p_sink, nan=0.0)
+    p_sink = _p_sink(lse, as_f64(x["attn_sink"]).expand_as(lse))
     return coef * float(torch.linalg.vector_norm(torch.linalg.vector_norm(p_sink * e_delta, dim=(0, 1))))
 
 

@@ -1,0 +1,132 @@
+"""Meta-tests of the rejection check and its declarative registry."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from broken_backends import Float16Accepted
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+from sparse_mqa_testkit.cases import Case
+from sparse_mqa_testkit.checks import ErrorInput, backend_inputs, check_rejection, error_inputs
+
+CASE = Case(S=3, H=2, sink="finite", topk="random", seed=2)
+
+
+def test_registry_covers_the_issue():
+    names = {e.name for e in error_inputs(CASE)}
+    for arg in ("q", "kv", "out", "grad_out"):
+        assert {f"{arg}_float16", f"{arg}_float32"} <= names
+    for arg in ("lse", "attn_sink"):
+        assert {f"{arg}_bfloat16", f"{arg}_float64"} <= names
+    for arg in ("indices", "topk_length"):
+        assert {f"{arg}_int64", f"{arg}_float32"} <= names
+    for arg in ("q", "kv", "out", "grad_out", "lse", "attn_sink", "indices", "topk_length"):
+        assert {f"{arg}_rank", f"{arg}_shape"} <= names
+    assert "dv_gt_dqk" in names
+    assert any(e.requires_cuda for e in error_inputs(CASE))  # mixed devices
+    for e in error_inputs(CASE):
+        assert isinstance(e, ErrorInput) and e.exc_type is ValueError and e.match and e.description
+
+
+@pytest.mark.parametrize("entry", error_inputs(CASE), ids=lambda e: e.name)
+def test_each_entry_is_rejected_by_the_reference_with_its_message(entry):
+    if entry.requires_cuda and not torch.cuda.is_available():
+        pytest.skip("mixed-device entry needs a CUDA GPU")
+    b = ReferenceBackend()
+    args = entry.build(backend_inputs(b, CASE))
+    with pytest.raises(entry.exc_type, match=entry.match):
+        b.backward(args["q"], args["kv"], args["out"], args["grad_out"], args["lse"], args["attn_sink"],
+                   args["indices"], args["sm_scale"], topk_length=args["topk_length"])
+
+
+def test_match_regex_must_name_the_argument():
+    e = {x.name: x for x in error_inputs(CASE)}
+    assert re.search(e["grad_out_float16"].match, "grad_out must be bfloat16, got float16")
+    assert not re.search(e["grad_out_float16"].match, "q must be bfloat16, got float16")
+    assert not re.search(e["out_float16"].match, "grad_out must be bfloat16, got float16")  # whole word
+    assert re.search(e["indices_int64"].match, "indices must be int32, got int64")
+
+
+@pytest.mark.parametrize("case", [CASE, Case(), Case(H=17, invalid="mixed", sink="mixed", seed=4)],
+                         ids=lambda c: c.describe())
+def test_reference_passes(case):
+    res = check_rejection(ReferenceBackend(), case)
+    assert res.passed, res.message
+    assert res.notes["entries"] > 40
+
+
+def test_silent_acceptance_is_reported_per_entry():
+    res = check_rejection(Float16Accepted(), CASE)
+    assert not res.passed
+    assert "q_float16 (backward: q as float16 (must be bfloat16)) returned a result, expected ValueError" \
+        in res.message
+    assert "lse_" not in res.message  # the backend still validates the rest
+
+
+def test_vague_message_fails_the_regex():
+    class Vague(ReferenceBackend):
+        name = "vague"
+
+        def backward(self, *a, **kw):
+            try:
+                return super().backward(*a, **kw)
+            except ValueError:
+                raise ValueError("bad input") from None
+
+    res = check_rejection(Vague(), CASE)
+    assert not res.passed and "does not match" in res.message and "'bad input'" in res.message
+
+
+def test_wrong_exception_type_fails():
+    class TypeErrors(ReferenceBackend):
+        def backward(self, *a, **kw):
+            try:
+                return super().backward(*a, **kw)
+            except ValueError as exc:
+                raise TypeError(str(exc)) from None
+
+    res = check_rejection(TypeErrors(), CASE)
+    assert not res.passed and "raised TypeError" in res.message and "expected ValueError" in res.message
+
+
+def test_caller_tensors_must_be_unchanged():
+    class ScribblesOnGradOut(ReferenceBackend):
+        name = "scribbles"
+
+        def backward(self, q, kv, out, grad_out, *rest, **kw):
+            r = super().backward(q, kv, out, grad_out, *rest, **kw)
+            grad_out.mul_(2)  # in place, after the work: a real kernel reusing its input as scratch
+            return r
+
+    res = check_rejection(ScribblesOnGradOut(), CASE)
+    assert not res.passed and "valid backward call modified the caller's grad_out" in res.message
+
+
+def test_outside_domain_must_be_refused():
+    class Only576(ReferenceBackend):
+        name = "only-576"
+        dims = ((576, 512),)
+
+        def backward(self, *a, **kw):
+            out = a[2]
+            if (a[0].shape[-1], out.shape[-1]) not in self.dims:
+                raise ValueError(f"(Dqk, Dv) = ({a[0].shape[-1]}, {out.shape[-1]}) not supported")
+            return super().backward(*a, **kw)
+
+        def forward(self, q, kv, indices, sm_scale, d_v, **kw):
+            if (q.shape[-1], d_v) not in self.dims:
+                raise ValueError("(Dqk, Dv) not supported")
+            return super().forward(q, kv, indices, sm_scale, d_v, **kw)
+
+    class AnswersAnyway(ReferenceBackend):
+        name = "answers-anyway"
+        dims = ((576, 512),)
+
+    res = check_rejection(Only576(), Case())
+    assert res.passed and "not in" in res.notes["outside_domain"]
+    res = check_rejection(AnswersAnyway(), Case())
+    assert not res.passed and "outside the declared domain" in res.message
+    assert "returned a result, expected ValueError" in res.message

@@ -1,0 +1,228 @@
+"""Meta-tests of the tolerance check: what it measures, what it reports, and that it accepts a plausible
+kernel (the bf16 emulation) while rejecting structural mistakes."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from broken_backends import EmulatedKernel
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+from sparse_mqa_testkit.cases import Case
+from sparse_mqa_testkit.checks import (CheckFailure, CheckResult, backend_inputs, check_backward_tolerance,
+                                       check_forward_tolerance, compare_tensor, oracle_results, repro_command)
+
+
+class Tweaked(ReferenceBackend):
+    """The reference with one edit applied to its backward results: ``edit(dict) -> dict``."""
+
+    def __init__(self, edit, name="tweaked"):
+        super().__init__()
+        self.edit, self.name = edit, name
+
+    def backward(self, *args, **kw):
+        dq, dkv, d_sink = super().backward(*args, **kw)
+        r = self.edit({"dq": dq, "dkv": dkv, "d_sink": d_sink})
+        return r["dq"], r["dkv"], r["d_sink"]
+
+
+def _set(name, idx, value):
+    def edit(r):
+        t = r[name].clone()
+        t[idx] = value
+        return dict(r, **{name: t})
+
+    return edit
+
+
+CASE = Case(B=1, S=4, Skv=16, H=2, L=8, sink="finite", seed=11)
+
+
+def test_reference_passes_with_margin():
+    for case in (CASE, Case(H=17, sink="mixed", topk="random", invalid="mixed", seed=3),
+                 Case(invalid="empty_rows", duplicates=True, order="sorted")):
+        res = check_backward_tolerance(ReferenceBackend(), case)
+        assert res.passed and res.ratio < 0.6, res.message
+        assert set(res.per_tensor) == ({"dq", "dkv", "d_sink"} if case.sink != "none" else {"dq", "dkv"})
+        fwd = check_forward_tolerance(ReferenceBackend(), case)
+        assert fwd.passed and fwd.ratio < 0.6, fwd.message
+
+
+def test_message_names_tensor_index_values_case_and_repro():
+    idx = (0, 1, 0, 3)
+    res = check_backward_tolerance(Tweaked(_set("dq", idx, 100.0), name="bad-dq"), CASE)
+    assert not res.passed and res.ratio > 1
+    m = res.message
+    oracle_val = float(oracle_results(CASE)["f64"]["dq"][idx])
+    assert m.startswith("tolerance check failed for backend 'bad-dq'")
+    assert re.search(r"^dq: relative L2 error [0-9.e+-]+ > allowed [0-9.e+-]+", m, re.M)
+    assert "Mismatched elements: " in m
+    assert "index (0, 1, 0, 3): kernel 100, oracle " in m
+    assert f"{oracle_val:.6g}" in m
+    assert CASE.describe() in m and f"seed: {CASE.seed}" in m
+    assert repro_command("bad-dq", "tolerance", CASE) in m
+    assert res.per_tensor["dq"]["worst_index"] == idx
+    assert res.per_tensor["dkv"]["ratio"] < 1  # only the broken tensor is blamed
+    assert "dkv:" not in m
+    with pytest.raises(CheckFailure) as ei:
+        res.raise_if_failed()
+    assert str(ei.value) == m
+
+
+def test_repro_command_format():
+    c = Case(H=3, seed=5)
+    assert repro_command("reference", "guards", c) == (
+        'sparse-mqa-check --backend reference --check guards --replay "Case(H=3, seed=5)"')
+
+
+def test_nan_position_mismatch_is_caught_exactly():
+    res = check_backward_tolerance(Tweaked(_set("dkv", (0, 2, 1), math.nan)), CASE)
+    assert not res.passed and math.isinf(res.ratio)
+    assert "dkv: NaN positions differ from the oracle at 1 / " in res.message
+    assert "index (0, 2, 1)" in res.message
+
+
+def test_inf_where_oracle_is_finite_and_finite_where_oracle_is_inf():
+    res = check_backward_tolerance(Tweaked(_set("dq", (0, 0, 1, 0), math.inf)), CASE)
+    assert not res.passed and "dq: +inf positions differ" in res.message
+    # forward: an empty row's lse is +inf in the oracle; a finite value there is a mismatch
+    case = Case(invalid="empty_rows", seed=4)
+
+    class FiniteLse(ReferenceBackend):
+        def forward(self, *a, **kw):
+            out, lse = super().forward(*a, **kw)
+            return out, torch.nan_to_num(lse, posinf=0.0)
+
+    res = check_forward_tolerance(FiniteLse(), case)
+    assert not res.passed and "lse: +inf positions differ" in res.message
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda r: dict(r, dq=r["dq"].float()), "dq: dtype float32 is not the contract's bfloat16"),
+    (lambda r: dict(r, dkv=r["dkv"][:, :-1]), "dkv: shape (1, 15, 16) is not the contract's (1, 16, 16)"),
+    (lambda r: dict(r, d_sink=r["d_sink"].to(torch.bfloat16)), "d_sink: dtype bfloat16 is not the contract's float32"),
+    (lambda r: dict(r, d_sink=None), "d_sink: missing (got None)"),
+])
+def test_shape_and_dtype_mismatch(edit, needle):
+    res = check_backward_tolerance(Tweaked(edit), CASE)
+    assert not res.passed and math.isinf(res.ratio)
+    assert needle in res.message
+
+
+def test_d_sink_must_be_none_without_sink():
+    case = CASE.replace(sink="none")
+    res = check_backward_tolerance(Tweaked(lambda r: dict(r, d_sink=torch.zeros(case.H))), case)
+    assert not res.passed and "d_sink: must be None when attn_sink is None" in res.message
+
+
+def test_zero_reference_uses_absolute_error():
+    # one head whose sink is +inf: all probability on the sink, so out, dq, dkv and d_sink are exactly zero
+    zero = Case(S=3, Skv=8, H=1, L=4, sink="pos_inf", seed=0)
+    o = oracle_results(zero)["f64"]
+    assert all(float(abs(o[n]).max()) == 0.0 for n in ("dq", "dkv", "d_sink", "out"))
+    res = check_backward_tolerance(ReferenceBackend(), zero)
+    assert res.passed, res.message
+    assert all(res.per_tensor[n]["mode"] == "absolute" for n in ("dq", "dkv", "d_sink"))
+    assert check_forward_tolerance(ReferenceBackend(), zero).passed
+    # a small nonzero answer where the truth is zero is judged against the floor, without dividing by zero
+    res = check_backward_tolerance(Tweaked(_set("dq", (0, 1, 0, 2), 0.25)), zero)
+    assert not res.passed and "dq: absolute L2 error (oracle is all zero) 2.500e-01" in res.message
+    assert math.isfinite(res.per_tensor["dq"]["ratio"])
+
+
+def test_compare_tensor_zero_reference():
+    o = torch.zeros(3, 4, dtype=torch.float64)
+    entry, prob = compare_tensor("dq", o.to(torch.bfloat16), o, o)
+    assert prob is None and entry["mode"] == "absolute" and entry["error"] == 0.0 and entry["ratio"] == 0.0
+    k = o.clone()
+    k[1, 2] = 0.5
+    entry, prob = compare_tensor("dq", k.to(torch.bfloat16), o, o, floor=1e-3)
+    assert prob is not None and "absolute L2 error (oracle is all zero) 5.000e-01" in prob
+    assert entry["worst_index"] == (1, 2) and math.isfinite(entry["ratio"]) and entry["ratio"] > 1
+
+
+def test_compare_tensor_within_one_ulp_passes():
+    o = torch.tensor([1.0, 2.0, -3.0, 0.5], dtype=torch.float64)  # exactly representable: reference error 0
+    k = torch.tensor([1.0078125, 2.0, -3.0, 0.5], dtype=torch.float64)  # one bf16 ulp off at 1.0
+    entry, prob = compare_tensor("out", k, o, o, floor=0.0)
+    assert prob is None and entry["max_ulps"] == 1.0
+    k2 = torch.tensor([1.015625, 2.0, -3.0, 0.5], dtype=torch.float64)  # two ulps
+    _, prob = compare_tensor("out", k2, o, o, floor=0.0)
+    assert prob is not None and "Largest difference in bf16 ulps: 2" in prob
+
+
+def test_backend_exception_is_a_failure_with_traceback():
+    class Crashes(ReferenceBackend):
+        name = "crashes"
+
+        def backward(self, *a, **kw):
+            raise RuntimeError("kernel launch failed: too many resources requested")
+
+    res = check_backward_tolerance(Crashes(), CASE)
+    assert not res.passed and math.isinf(res.ratio)
+    assert "backward raised RuntimeError: kernel launch failed" in res.message
+    assert "in backward" in res.message and "repro:" in res.message
+
+
+def test_wrong_arity_is_a_failure():
+    class TwoResults(ReferenceBackend):
+        def backward(self, *a, **kw):
+            return super().backward(*a, **kw)[:2]
+
+    res = check_backward_tolerance(TwoResults(), CASE)
+    assert not res.passed and "must return a tuple of 3 tensors" in res.message
+
+
+def test_forward_tolerance_skips_backend_without_forward():
+    class NoForward:
+        name, device, deterministic, tiles, dims = "nofwd", "cpu", True, {}, None
+
+        def supports(self, case):
+            return None
+
+        def backward(self, *a, **kw):
+            return ReferenceBackend().backward(*a, **kw)
+
+    res = check_forward_tolerance(NoForward(), CASE)
+    assert res.passed and res.notes["skipped"] == "backend has no forward"
+    assert check_backward_tolerance(NoForward(), CASE).passed
+
+
+def test_k_is_honoured():
+    # dq scaled by 1 + 2^-6: two bf16 ulps everywhere, ~8x the rounding error
+    scaled = Tweaked(lambda r: dict(r, dq=(r["dq"].double() * (1 + 2.0 ** -6)).to(torch.bfloat16)))
+    res = check_backward_tolerance(scaled, CASE)
+    assert not res.passed and res.ratio > 1 and "dq:" in res.message
+    loose = check_backward_tolerance(scaled, CASE, k=15.0)
+    assert loose.passed and loose.ratio < 1
+    assert isinstance(res, CheckResult) and res.check == "tolerance"
+
+
+def test_backend_inputs_are_the_contracts():
+    t = backend_inputs(ReferenceBackend(), CASE)
+    assert t["out"].dtype == torch.bfloat16 and t["lse"].dtype == torch.float32
+    assert t["q"].dtype == torch.bfloat16 and t["indices"].dtype == torch.int32
+    assert tuple(t["out"].shape) == CASE.dims.shape("out") and tuple(t["lse"].shape) == CASE.dims.shape("lse")
+    own = backend_inputs(ReferenceBackend(), CASE, use_backend_forward=True)
+    assert torch.equal(own["out"], t["out"]) or (own["out"].float() - t["out"].float()).abs().max() < 0.05
+
+
+# cases a bf16 tensor-core kernel could see on the CPU sizes (the emulation's drawn-case survey is in the
+# report: ratios stay below 1 except degenerate dkv on Dqk = 1 with one or two KV rows)
+EMULATION_CASES = [
+    Case(S=8, Skv=32, H=4, L=16, seed=1),
+    Case(S=5, Skv=12, H=17, L=9, sink="mixed", topk="random", invalid="mixed", seed=2),
+    Case(S=3, Skv=1, H=2, L=6, duplicates=True, seed=3),  # every slot on one row: out is V exactly
+    Case(S=4, Skv=9, H=3, L=1, sink="finite", seed=4),  # one slot: dS cancels to P (1 - P) dp
+    Case(B=2, S=6, Skv=20, H=16, L=12, Dqk=24, Dv=16, sink="pos_inf", invalid="empty_rows", seed=5),
+]
+
+
+@pytest.mark.parametrize("case", EMULATION_CASES, ids=lambda c: c.describe())
+def test_emulated_kernel_within_model(case):
+    b = EmulatedKernel()
+    for res in (check_backward_tolerance(b, case), check_forward_tolerance(b, case)):
+        assert res.passed, res.message
