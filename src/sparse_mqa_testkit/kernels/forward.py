@@ -99,7 +99,8 @@ def build_program(key: fwd_plan.VariantKey):
             idx = T.alloc_var(i32)
             ok = T.alloc_var("bool")
 
-            bar_k_ready = T.alloc_barrier(arrive_count=[128] * NS)
+            # k_ready: 128 cp.async arrivals (data landed) + 128 plain arrivals (release of valid_shared)
+            bar_k_ready = T.alloc_barrier(arrive_count=[256] * NS)
             bar_k_free = T.alloc_barrier(arrive_count=[256] * NS)
             bar_s_ready = T.alloc_barrier(arrive_count=256)
             bar_s_free = T.alloc_barrier(arrive_count=256)
@@ -247,6 +248,7 @@ def build_program(key: fwd_plan.VariantKey):
                                         8,
                                     )
                         T.cp_async_barrier_noinc(bar_k_ready[st])
+                        T.barrier_arrive(bar_k_ready[st])
 
     return sparse_mla_fwd
 
