@@ -70,7 +70,7 @@ def test_main_job_fails_on_a_broken_backend_with_table_and_json(broken, tmp_path
     assert rc == 1
     out = capfd.readouterr().out
     assert "tolerance  brokenkernels:Broken" in out and "FAIL" in out
-    assert "sparse-mqa-check: FAIL" in out and 'replay: sparse-mqa-check --backend broken --check tolerance' in out
+    assert "sparse-mqa-check: FAIL" in out and 'replay: sparse-mqa-check --backend brokenkernels:Broken --check tolerance' in out
     data = json.loads((tmp_path / "r.json").read_text())
     assert {(r["check"], r["outcome"]) for r in data["rows"]} == {("tolerance", "failed")}
 
@@ -84,8 +84,10 @@ def test_nightly_failure_becomes_reproducer_ledger_and_replays_from_the_database
     assert "[nightly] round 1:" in printed and "s left" in printed and "FAILURE tolerance" in printed
     (repro,) = out.glob("reproducer-*.txt")
     text = repro.read_text()
-    assert "sparse-mqa-check --backend broken --check tolerance --replay \"Case(" in text
+    assert "sparse-mqa-check --backend brokenkernels:Broken --check tolerance --replay \"Case(" in text
     assert "@example(case=Case(" in text
+    patch = next(out.glob("reproducer-*.patch")).read_text()
+    assert "+@example(case=Case(" in patch and "test_tolerance.py" in patch
     ledger = json.loads((out / "ledger.json").read_text())
     assert ledger[-1]["failures"] == 1 and ledger[-1]["ratios"]["brokenkernels:Broken"]["tolerance"]
     # the next plain run pointed at the same database replays the failure; without it, ci's one

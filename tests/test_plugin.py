@@ -144,17 +144,17 @@ def test_installed_suite_from_a_downstream_repo(downstream, monkeypatch):
     pkg = __import__("pathlib").Path(sparse_mqa_testkit.__file__).parent
     before = {p for p in pkg.rglob("*") if ".hypothesis" in p.parts}
     out = downstream.path / "smqa.json"
-    monkeypatch.setenv("SMQA_MAX_EXAMPLES", "10")
+    monkeypatch.setenv("SMQA_MAX_EXAMPLES", "30")
     r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--pyargs", "sparse_mqa_testkit.property_tests",
                                        "--smqa-backend", "mykernels:Broken", "--smqa-json", str(out),
                                        "-k", "tolerance and not forward")
     r.assert_outcomes(failed=1)
     r.stdout.fnmatch_lines(["*tolerance check failed for backend 'broken'*",
-                            "*sparse-mqa-check --backend broken --check tolerance --replay \"Case(*",
+                            "*sparse-mqa-check --backend mykernels:Broken --check tolerance --replay \"Case(*",
                             "*tolerance*mykernels:Broken*FAIL*"])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["check"], r["outcome"]) for r in rows] == [("tolerance", "failed")]
-    assert rows[0]["failure"]["repro"].startswith("sparse-mqa-check --backend broken --check tolerance")
+    assert rows[0]["failure"]["repro"].startswith("sparse-mqa-check --backend mykernels:Broken --check tolerance")
     from sparse_mqa_testkit.cases import Case
 
     assert eval(rows[0]["failure"]["case"], {"Case": Case}).H == 2  # shrunk to the smallest failing H

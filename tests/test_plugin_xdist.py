@@ -57,7 +57,9 @@ def test_xdist_auto_starts_one_worker_per_gpu_each_pinned(pytester, monkeypatch)
     ''')
     r = pytester.runpytest_inprocess("-n", "auto", "-p", "no:cacheprovider")
     r.assert_outcomes(passed=8)
-    r.stdout.fnmatch_lines(["*2 workers*"])
+    r.stdout.fnmatch_lines(["*2 workers*", "*xdist workers and their GPUs*",
+                            "gw0: CUDA_VISIBLE_DEVICES=3 -> CUDA not used by its tests",
+                            "gw1: CUDA_VISIBLE_DEVICES=5 -> CUDA not used by its tests"])
     seen = {}
     for f in (pytester.path / "pins").iterdir():
         worker, visible, started = json.loads(f.read_text())

@@ -101,10 +101,44 @@ def write_reproducer(out: Path, row: dict) -> Path:
                   f"@example(case={fail['case']})", "", "# failure:", fail["message"]]
     else:
         lines += ["", f"# no check result was recorded ({row.get('outcome')}); see the round log above"]
+    patch = suite_patch(row, out) if fail else None
+    if patch:
+        lines += ["", f"# Hypothesis's patch adding the @example to the suite (git apply): {patch}"]
     if patches:
-        lines += ["", "# Hypothesis's patch adding the @example (git apply):"] + [f"#   {p}" for p in patches]
+        lines += ["", "# patches Hypothesis wrote itself:"] + [f"#   {p}" for p in patches]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def suite_patch(row: dict, out: Path) -> Path | None:
+    """Hypothesis's own ``@example`` patch for the suite test that failed (best effort: None if unavailable).
+
+    Written here because Hypothesis cannot write it itself: the falsifying example it prints includes the
+    ``smqa_backend`` fixture, whose repr is not Python.
+    """
+    import importlib
+    import pkgutil
+
+    try:
+        from hypothesis.extra._patching import FAIL_MSG, get_patch_for, make_patch
+
+        from . import property_tests
+
+        func_name = f"test_{row['check']}"
+        for info in pkgutil.iter_modules(property_tests.__path__):
+            module = importlib.import_module(f"{property_tests.__name__}.{info.name}")
+            func = getattr(module, func_name, None)
+            if func is not None:
+                triple = get_patch_for(func, [(f"{func_name}(case={row['failure']['case']})", FAIL_MSG)])
+                if triple is None:
+                    return None
+                slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{row['backend']}-{row['check']}")
+                path = out / f"reproducer-{slug}.patch"
+                path.write_text(make_patch([triple]))
+                return path
+    except Exception:  # a private Hypothesis helper: never let it hide the failure itself
+        return None
+    return None
 
 
 def append_ledger(path: Path, classes: dict, **meta) -> None:
@@ -121,6 +155,8 @@ def append_ledger(path: Path, classes: dict, **meta) -> None:
             if not worst:
                 continue
             r, label = max(worst)
+            if r == 0:
+                continue
             prev = previous.get(backend, {}).get(check, {}).get(label, {}).get("max_ratio")
             was = f" (last run {prev:.3f})" if prev is not None else ""
             print(f"[nightly] ledger {backend} {check}: worst ratio {r:.3f} at '{label}'{was}", flush=True)

@@ -24,6 +24,7 @@ import importlib.metadata
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -296,15 +297,42 @@ class _Reports:
 
 
 def pytest_terminal_summary(terminalreporter):
-    rows = suite.summarize(terminalreporter.config.stash[_STATE]["reports"])
+    state = terminalreporter.config.stash[_STATE]
+    if state.get("workers"):
+        terminalreporter.section("sparse-mqa-testkit: xdist workers and their GPUs")
+        for wid, info in sorted(state["workers"].items()):
+            terminalreporter.write_line(f"{wid}: CUDA_VISIBLE_DEVICES={info['pinned']} -> "
+                                        f"{info.get('device', 'CUDA not used by its tests')}")
+    rows = suite.summarize(state["reports"])
     if rows:
         terminalreporter.section("sparse-mqa-testkit conformance")
         terminalreporter.write_line(suite.format_table(rows))
 
 
+def _worker_gpu() -> dict:
+    """What this worker ran on: its pin, and the GPU CUDA gave it (if a test used CUDA)."""
+    info = {"pinned": os.environ.get(gpu_workers.ENV)}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        p = torch.cuda.get_device_properties(0)
+        bus = "{:04x}:{:02x}:{:02x}".format(*(getattr(p, f"pci_{k}_id", 0) for k in ("domain", "bus", "device")))
+        info["device"] = f"{p.name}, pci {bus}, {torch.cuda.device_count()} visible"
+    return info
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    info = getattr(node, "workeroutput", {}).get("smqa_gpu")
+    if info and info.get("pinned") is not None:
+        node.config.stash[_STATE].setdefault("workers", {})[node.gateway.id] = info
+
+
 def pytest_sessionfinish(session, exitstatus):
+    if getattr(session.config, "workerinput", None) is not None:
+        session.config.workeroutput["smqa_gpu"] = _worker_gpu()
+        return
     path = session.config.getoption("smqa_json")
-    if path and getattr(session.config, "workerinput", None) is None:
+    if path:
         state = session.config.stash[_STATE]
         suite.write_json(path, suite.summarize(state["reports"]), backends=state["names"],
                          profile=state["profile"], exitstatus=int(exitstatus))

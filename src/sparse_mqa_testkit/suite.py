@@ -71,7 +71,8 @@ class Recorder:
             from .checks import repro_command
 
             self.failure = {"case": result.case.repro(), "message": result.message,
-                            "repro": repro_command(result.backend, result.check, result.case)}
+                            # the backend as the run named it (a module:attr spec may differ from its .name)
+                            "repro": repro_command(self.backend, result.check, result.case)}
         if self.worst is None or _finite(ratio) >= self.worst["ratio"]:
             self.worst = {"ratio": _finite(ratio), "case": result.case.repro(), **_worst_tensor(result)}
 
@@ -122,6 +123,12 @@ def run_check(check: str, backend, case: Case, **kwargs):
 
     result = check_function(check)(backend, case, **kwargs)
     if current is not None:
+        if not result.passed and current.backend != result.backend:
+            # replay by the spec the run was given (module:attr), which the backend's .name may not resolve
+            from .checks import repro_command
+
+            result.message = result.message.replace(repro_command(result.backend, result.check, case),
+                                                    repro_command(current.backend, result.check, case))
         current.add(result)
     if currently_in_test_context():
         target(_finite(float(result.ratio)), label=f"{check} ratio")

@@ -1,8 +1,9 @@
 """Bitwise run-to-run stability for a backend that claims it (measured drift inside the tolerance otherwise)."""
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings  # noqa: F401 (example: for reproducer patches)
 
 from sparse_mqa_testkit import profiles
+from sparse_mqa_testkit.cases import Case  # noqa: F401 (for @example(case=Case(...)) patches)
 from sparse_mqa_testkit.strategies import backend_cases
 from sparse_mqa_testkit.suite import run_check
 

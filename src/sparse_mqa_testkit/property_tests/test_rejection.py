@@ -1,9 +1,10 @@
 """Bad inputs and cases outside the declared domain are refused with a clear error, inputs untouched."""
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings  # noqa: F401 (example: for reproducer patches)
 
 from sparse_mqa_testkit import profiles
+from sparse_mqa_testkit.cases import Case  # noqa: F401 (for @example(case=Case(...)) patches)
 from sparse_mqa_testkit.strategies import backend_cases, outside_dims
 from sparse_mqa_testkit.suite import run_check
 

@@ -1,9 +1,10 @@
 """Backward (and forward) results within k x the error of a bf16-output oracle, per tensor."""
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings  # noqa: F401 (example: for reproducer patches)
 
 from sparse_mqa_testkit import profiles
+from sparse_mqa_testkit.cases import Case  # noqa: F401 (for @example(case=Case(...)) patches)
 from sparse_mqa_testkit.strategies import backend_cases
 from sparse_mqa_testkit.suite import run_check
 
