@@ -8,10 +8,12 @@ import re
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 from broken_backends import EmulatedKernel
 from sparse_mqa_testkit.backends.reference import ReferenceBackend
 from sparse_mqa_testkit.cases import Case
+from sparse_mqa_testkit.strategies import cases
 from sparse_mqa_testkit.checks import (CheckFailure, CheckResult, backend_inputs, check_backward_tolerance,
                                        check_forward_tolerance, compare_tensor, oracle_results, repro_command)
 
@@ -210,14 +212,16 @@ def test_backend_inputs_are_the_contracts():
     assert torch.equal(own["out"], t["out"]) or (own["out"].float() - t["out"].float()).abs().max() < 0.05
 
 
-# cases a bf16 tensor-core kernel could see on the CPU sizes (the emulation's drawn-case survey is in the
-# report: ratios stay below 1 except degenerate dkv on Dqk = 1 with one or two KV rows)
+# A bf16 tensor-core kernel must pass. Survey with the emulation (2026-11-30): 150 drawn 576/512 cases, worst
+# ratio 0.87 (dkv); 500 drawn small-dim cases, worst 0.90 except dkv on Dqk = 1, Skv = 1 (one value summing
+# every slot's dS with cancellation), which reached 3.6: no kernel is built for Dqk = 1.
 EMULATION_CASES = [
     Case(S=8, Skv=32, H=4, L=16, seed=1),
     Case(S=5, Skv=12, H=17, L=9, sink="mixed", topk="random", invalid="mixed", seed=2),
     Case(S=3, Skv=1, H=2, L=6, duplicates=True, seed=3),  # every slot on one row: out is V exactly
     Case(S=4, Skv=9, H=3, L=1, sink="finite", seed=4),  # one slot: dS cancels to P (1 - P) dp
     Case(B=2, S=6, Skv=20, H=16, L=12, Dqk=24, Dv=16, sink="pos_inf", invalid="empty_rows", seed=5),
+    Case(S=3, Skv=6, H=5, L=6, Dqk=576, Dv=512, sm_scale=0.5, sink="finite", duplicates=True, seed=6),
 ]
 
 
@@ -226,3 +230,12 @@ def test_emulated_kernel_within_model(case):
     b = EmulatedKernel()
     for res in (check_backward_tolerance(b, case), check_forward_tolerance(b, case)):
         assert res.passed, res.message
+
+
+@settings(max_examples=8, derandomize=True, database=None, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(cases(dims=[(576, 512)], max_b=1, max_s=4, max_skv=16, max_h=8, max_l=8))
+def test_emulated_kernel_within_model_on_drawn_production_dims(case):
+    b = EmulatedKernel()
+    res = check_backward_tolerance(b, case)
+    assert res.passed and res.ratio < 1, res.message

@@ -78,3 +78,5 @@ def test_search_finds_a_failing_case(bug):
     probe()
     assert hits, f"{check} found no failing case for {bug} in {SEARCH.max_examples} drawn cases"
     assert hits[0].check == check and hits[0].message
+    found = hits[0].case
+    assert fn(get_backend("reference"), found).passed, f"reference fails {check} on {found.repro()}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from .inputs import (BACKWARD_OUTPUTS, FORWARD_OUTPUTS, backend_inputs, bitwise_equal, call_backward,
+from .inputs import (BACKWARD_OUTPUTS, FORWARD_OUTPUTS, backend_inputs, bits, bitwise_equal, call_backward,
                      call_forward, first_difference, has_forward)
 from .report import exception_summary, fmt_index, result
 from .tolerance import K_DEFAULT, compare_outputs
@@ -71,8 +71,9 @@ def _busy_kernel(device):
     import torch
 
     side = torch.cuda.Stream(device=device)
-    a = torch.randn(2048, 2048, device=device)
-    with torch.cuda.stream(side):
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # allocated on the side stream, so its blocks stay tied to that stream
+        a = torch.randn(2048, 2048, device=device)
         for _ in range(8):
             a = a @ a
             a = a / a.norm()
@@ -199,8 +200,6 @@ def check_determinism(backend, case, *, repeats: int = 4, hostile: bool = True, 
 
 
 def _bits_ne(a, b):
-    from .inputs import bits
-
     return bits(a).cpu() != bits(b).cpu()
 
 

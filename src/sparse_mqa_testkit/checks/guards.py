@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from .. import contract
-from .inputs import (BACKWARD_OUTPUTS, FORWARD_OUTPUTS, backend_inputs, bitwise_equal, call_backward,
+from .inputs import (BACKWARD_OUTPUTS, FORWARD_OUTPUTS, backend_inputs, bits, bitwise_equal, call_backward,
                      call_forward, first_difference, has_forward)
 from .report import exception_summary, fmt_index, result
 from .tolerance import K_DEFAULT, compare_outputs
@@ -58,8 +58,7 @@ def _same(label, got: dict, ref: dict, claims: bool, case, backend, which, k, t)
                              f"clean run {None if r is None else tuple(r.shape)}")
                 continue
             idx = first_difference(g, r)
-            n = int((g.detach().cpu().double() != r.detach().cpu().double()).sum()
-                    + (g.detach().cpu().isnan() & r.detach().cpu().isnan()).sum() * 0)
+            n = int((bits(g).cpu() != bits(r).cpu()).sum())
             probs.append(f"{name}: {label}: differs from the clean run at {n} / {g.numel()} elements\n"
                          f"  first at index {fmt_index(idx)}: got {float(g[idx]):.6g}, clean run "
                          f"{float(r[idx]):.6g}")
