@@ -109,9 +109,10 @@ def cases(draw, *, dims=None, tiles: dict | None = None, max_b: int = 2, max_s: 
 
 # ---- drawing for a backend ------------------------------------------------------------------------------------
 PRODUCTION_DIMS = tuple(map(tuple, contract.KERNEL_DIMS))
-# Defaults per device: CPU runs stay small (the oracle is NumPy); GPU runs reach H = 128 and production dims.
+# Defaults per device: CPU runs stay small; GPU runs reach H = 128 and production dims. max_work bounds what the
+# NumPy oracle pays per case (B*S*H*L*Dqk; 8M is about 1 s for both float64 and float32 on one core).
 CPU_LIMITS = dict(max_b=2, max_s=24, max_skv=48, max_h=20, max_l=40, max_work=1_500_000)
-GPU_LIMITS = dict(max_b=2, max_s=96, max_skv=512, max_h=128, max_l=160, max_work=60_000_000)
+GPU_LIMITS = dict(max_b=2, max_s=64, max_skv=512, max_h=128, max_l=128, max_work=8_000_000)
 
 
 def backend_dims(backend) -> tuple:
