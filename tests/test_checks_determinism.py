@@ -10,7 +10,7 @@ import torch
 from broken_backends import EmulatedKernel, random_order_dkv
 from sparse_mqa_testkit.backends.reference import ReferenceBackend
 from sparse_mqa_testkit.cases import Case
-from sparse_mqa_testkit.checks import check_determinism, poison_allocator
+from sparse_mqa_testkit.checks import FAILED_RATIO, check_determinism, poison_allocator
 
 CASE = Case(S=4, Skv=8, H=3, L=8, sink="finite", invalid="holes", seed=21)
 
@@ -33,12 +33,14 @@ def test_cpu_skips_stream_parts_and_says_so():
 
 def test_claimed_determinism_that_drifts_fails_naming_tensor_and_index():
     res = check_determinism(random_order_dkv(), CASE)
-    assert not res.passed and math.isinf(res.ratio)
+    assert not res.passed and res.ratio == FAILED_RATIO
     m = res.message
     assert m.startswith("determinism check failed for backend 'broken-random-order-dkv'")
     assert "dkv: call 2 (plain) differs bitwise from call 1 at " in m
     assert "first at index (" in m and "(backend claims determinism)" in m
     assert "dq:" not in m  # dq is deterministic in that backend
+    assert res.notes["drift"]["dkv"] > 0 and res.notes["drift"]["dq"] == 0.0
+    assert res.per_tensor["dkv"]["bitwise_equal"] is False and res.per_tensor["dq"]["bitwise_equal"] is True
     assert 'repro: sparse-mqa-check --backend broken-random-order-dkv --check determinism --replay "' in m
 
 

@@ -26,6 +26,7 @@ def test_reference_passes_and_reports_what_it_poisoned():
     res = check_guards(ReferenceBackend(), CASE)
     assert res.passed, res.message
     assert res.notes["poisoned_rows"] == int(unreferenced_rows(CASE).sum()) > 0
+    assert res.per_tensor["poison.dq"]["bitwise_equal"] and res.per_tensor["stale.dkv"]["bitwise_equal"]
 
 
 def test_non_deterministic_backend_is_held_to_tolerance():

@@ -11,7 +11,7 @@ from .determinism import check_determinism, poison_allocator
 from .guards import check_guards, unreferenced_rows
 from .inputs import backend_inputs, oracle_results
 from .rejection import ErrorInput, check_rejection, error_inputs
-from .report import CHECKS, CheckFailure, CheckResult, repro_command
+from .report import CHECKS, FAILED_RATIO, CheckFailure, CheckResult, repro_command
 from .tolerance import FLOORS, K_DEFAULT, check_backward_tolerance, check_forward_tolerance, compare_tensor
 
 CHECK_FUNCTIONS = {
@@ -22,7 +22,7 @@ CHECK_FUNCTIONS = {
     "guards": check_guards,
 }
 
-__all__ = ["CHECKS", "CHECK_FUNCTIONS", "CheckFailure", "CheckResult", "ErrorInput", "FLOORS", "K_DEFAULT",
+__all__ = ["CHECKS", "CHECK_FUNCTIONS", "FAILED_RATIO", "CheckFailure", "CheckResult", "ErrorInput", "FLOORS", "K_DEFAULT",
            "backend_inputs", "check_backward_tolerance", "check_determinism", "check_forward_tolerance",
            "check_guards", "check_rejection", "compare_tensor", "error_inputs", "oracle_results",
            "poison_allocator", "repro_command", "unreferenced_rows"]

@@ -48,10 +48,13 @@ def _snap(outs):
 def _same(label, got: dict, ref: dict, claims: bool, case, backend, which, k, t) -> tuple[list[str], dict, float]:
     """Bitwise against ``ref`` for a deterministic backend, the tolerance model otherwise."""
     if claims:
-        probs = []
+        probs, pt = [], {}
         for name, r in ref.items():
             g = got.get(name)
-            if bitwise_equal(g, r):
+            eq = bitwise_equal(g, r)
+            pt[name] = {"error": 0.0 if eq else math.inf, "allowed": 0.0, "bitwise_equal": eq,
+                        "ratio": 0.0 if eq else math.inf}
+            if eq:
                 continue
             if g is None or r is None or g.shape != r.shape:
                 probs.append(f"{name}: {label}: got {None if g is None else tuple(g.shape)}, "
@@ -62,7 +65,7 @@ def _same(label, got: dict, ref: dict, claims: bool, case, backend, which, k, t)
             probs.append(f"{name}: {label}: differs from the clean run at {n} / {g.numel()} elements\n"
                          f"  first at index {fmt_index(idx)}: got {float(g[idx]):.6g}, clean run "
                          f"{float(r[idx]):.6g}")
-        return probs, {}, math.inf if probs else 0.0
+        return probs, pt, math.inf if probs else 0.0
     names = BACKWARD_OUTPUTS if which == "backward" else FORWARD_OUTPUTS
     pt, probs, worst = compare_outputs(names, got, case, k=k, device=getattr(backend, "device", None),
                                        sink_given=(t["attn_sink"] is not None) if which == "backward" else None)

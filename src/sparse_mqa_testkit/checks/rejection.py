@@ -165,9 +165,9 @@ def error_inputs(case) -> list[ErrorInput]:
         d = _SHAPE_DIM[arg]
         entries.append(ErrorInput(f"{arg}_shape", f"{arg} one larger in dim {d}", _with(arg, _grow(arg, d)),
                                   match=_names(arg), argument=arg, applies_to=app, tags=("shape",)))
-    entries.append(ErrorInput("dv_gt_dqk", "out and grad_out with Dv = Dqk + 1 > Dqk", _dv_gt_dqk,
-                              match=r"(?<![A-Za-z0-9_])(d_v|Dv|out|grad_out)(?![A-Za-z0-9_])",
-                              argument="out", tags=("shape",)))
+    entries.append(ErrorInput("dv_gt_dqk", "Dv = Dqk + 1 > Dqk (out and grad_out, or d_v for a forward)",
+                              _dv_gt_dqk, match=r"(?<![A-Za-z0-9_])(d_v|Dv|out|grad_out)(?![A-Za-z0-9_])",
+                              argument="out", applies_to=both, tags=("shape",)))
     for name, value in (("sm_scale_nan", math.nan), ("sm_scale_inf", math.inf)):
         entries.append(ErrorInput(name, f"sm_scale = {value}", _sm_scale(value), match=_names("sm_scale"),
                                   argument="sm_scale", applies_to=both, tags=("value",)))

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 CHECKS = ("tolerance", "forward_tolerance", "determinism", "rejection", "guards")
 
+# ratio of a failure that has no measure (wrong shape, crash, bits differ, not rejected): large but finite,
+# so a search can still use ratio as ``hypothesis.target`` (which refuses inf and NaN)
+FAILED_RATIO = 1e9
+
 
 class CheckFailure(AssertionError):
     """A conformance check failed; ``str()`` is the full failure message."""
@@ -25,8 +29,8 @@ def repro_command(backend_name: str, check: str, case) -> str:
 class CheckResult:
     """Outcome of one check on one backend and case.
 
-    ratio is the worst measured / allowed over tensors (< 1 passes; inf for a structural failure), so a
-    search can maximise it. per_tensor maps a tensor name to {"error", "allowed", ...}.
+    ratio is the worst measured / allowed over tensors (< 1 passes; always finite, ``FAILED_RATIO`` for a
+    failure with no measure), so a search can maximise it. per_tensor maps a tensor name to {"error", "allowed", ...}.
     """
 
     check: str
@@ -41,9 +45,6 @@ class CheckResult:
     def raise_if_failed(self) -> None:
         if not self.passed:
             raise CheckFailure(self.message)
-
-    def __bool__(self) -> bool:  # a result reads as its verdict
-        return self.passed
 
 
 def backend_name(backend) -> str:
@@ -73,6 +74,9 @@ def exception_summary(exc: BaseException, frames: int = 4) -> str:
 
 def result(check, backend, case, problems, *, ratio, per_tensor, notes=None) -> CheckResult:
     passed = not problems
+    ratio = float(ratio)
+    if not ratio < FAILED_RATIO:  # inf, NaN or huge
+        ratio = FAILED_RATIO
     return CheckResult(check=check, backend=backend_name(backend), case=case, passed=passed, ratio=float(ratio),
                        per_tensor=per_tensor, message="" if passed else failure_message(backend, check, case,
                                                                                         problems),
