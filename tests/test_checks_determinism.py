@@ -3,7 +3,6 @@ the tolerance otherwise, and the hostile environment actually hostile."""
 
 from __future__ import annotations
 
-import math
 
 import torch
 

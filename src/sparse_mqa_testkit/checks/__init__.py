@@ -22,7 +22,7 @@ CHECK_FUNCTIONS = {
     "guards": check_guards,
 }
 
-__all__ = ["CHECKS", "CHECK_FUNCTIONS", "FAILED_RATIO", "CheckFailure", "CheckResult", "ErrorInput", "FLOORS", "K_DEFAULT",
-           "backend_inputs", "check_backward_tolerance", "check_determinism", "check_forward_tolerance",
-           "check_guards", "check_rejection", "compare_tensor", "error_inputs", "oracle_results",
-           "poison_allocator", "repro_command", "unreferenced_rows"]
+__all__ = ["CHECKS", "CHECK_FUNCTIONS", "FAILED_RATIO", "CheckFailure", "CheckResult", "ErrorInput", "FLOORS",
+           "K_DEFAULT", "backend_inputs", "check_backward_tolerance", "check_determinism",
+           "check_forward_tolerance", "check_guards", "check_rejection", "compare_tensor", "error_inputs",
+           "oracle_results", "poison_allocator", "repro_command", "unreferenced_rows"]

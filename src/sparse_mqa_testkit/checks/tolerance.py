@@ -35,10 +35,10 @@ K_DEFAULT = 2.5
 # order as the output rounding the model measures (the issue's real kernels: 1.4x), which k covers on any
 # tensor of more than a few elements. On a tensor of a handful of elements the output rounding can be nearly
 # exact by luck while the intermediate rounding is not, so bf16 outputs also get SMALL_SAMPLE / sqrt(n): one
-# 2^-7 relative unit spread over n elements (3.9e-3 at n = 4, 2.4e-4 at n = 1024, nothing at production
-# sizes). Measured with the emulation in tests/broken_backends.py (EmulatedKernel) over 300 drawn CPU cases
-# (2026-11-30): worst error beyond 2.5 x reference 2.9e-3 on 1- and 2-element tensors, 5.9e-4 at the 99th
-# percentile (dkv); lse at most 8.8e-7 relative; d_sink within the Delta allowance below.
+# 2^-7 relative unit spread over n elements (3.9e-3 at n = 4, 2.4e-4 at n = 1024, ~0 at production sizes).
+# Survey with the emulation in tests/broken_backends.py (EmulatedKernel), 2026-11-30, whole model: 150 drawn
+# 576/512 cases, worst ratio 0.87 (dkv), lse 0.04; 500 drawn small-dim cases, worst 0.90, except dkv with
+# Dqk = 1 and Skv = 1 (one value summing every slot's dS with cancellation, no kernel has Dqk = 1): 3.6.
 FLOORS = {
     "dq": 1e-5,
     "dkv": 1e-5,
@@ -48,8 +48,6 @@ FLOORS = {
 }
 SMALL_SAMPLE = 2.0 ** -7  # bf16 outputs only; divided by sqrt(number of finite elements)
 
-_TORCH_DTYPES = None
-
 
 def _torch_dtype(name: str):
     import torch
@@ -57,11 +55,7 @@ def _torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def _numel(shape) -> int:
-    return int(math.prod(shape))
-
-
-def structural_problem(name: str, value, expected_shape, dims_case, *, device: str | None = None) -> str | None:
+def structural_problem(name: str, value, expected_shape, *, device: str | None = None) -> str | None:
     """Shape / dtype / device of one result against the contract, as a problem line (None when fine)."""
     want_dtype = contract.KERNEL_DTYPES[name]
     if value is None:
@@ -267,7 +261,7 @@ def compare_outputs(names, results: dict, case, *, k=K_DEFAULT, floor=None, devi
                     per_tensor[name] = {"error": math.inf, "allowed": 0.0, "ratio": math.inf}
                     worst = math.inf
                 continue
-        prob = structural_problem(name, val, dims.shape(name), case, device=device)
+        prob = structural_problem(name, val, dims.shape(name), device=device)
         if prob:
             problems.append(prob)
             per_tensor[name] = {"error": math.inf, "allowed": 0.0, "ratio": math.inf, "problem": prob}
