@@ -240,3 +240,18 @@ def test_emulated_kernel_within_model_on_drawn_production_dims(case):
     b = EmulatedKernel()
     res = check_backward_tolerance(b, case)
     assert res.passed and res.ratio < 1, res.message
+
+
+def test_delta_allowance_is_what_lets_a_peaked_softmax_pass(monkeypatch):
+    # sm_scale 0.5 on 576 dims: nearly one-hot P, so dS = P (dp - Delta) cancels and the kernel's Delta from
+    # the bf16 out dominates dkv's error; the rounded oracle alone cannot see that
+    case = Case(B=2, S=1, Skv=13, H=13, L=13, Dqk=576, Dv=512, sm_scale=0.5, sink="pos_inf", invalid="tails",
+                duplicates=True, order="sorted", seed=8)
+    res = check_backward_tolerance(EmulatedKernel(), case)
+    assert res.passed, res.message
+    assert res.per_tensor["dkv"]["delta_error"] > res.per_tensor["dkv"]["reference_error"]
+    import sparse_mqa_testkit.checks.tolerance as tol
+
+    monkeypatch.setattr(tol, "delta_allowance", lambda name, case: 0.0)
+    res = check_backward_tolerance(EmulatedKernel(), case)
+    assert not res.passed and "dkv:" in res.message
