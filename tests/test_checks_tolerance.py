@@ -255,3 +255,9 @@ def test_delta_allowance_is_what_lets_a_peaked_softmax_pass(monkeypatch):
     monkeypatch.setattr(tol, "delta_allowance", lambda name, case: 0.0)
     res = check_backward_tolerance(EmulatedKernel(), case)
     assert not res.passed and "dkv:" in res.message
+
+
+def test_compare_tensor_shape_mismatch_is_a_problem_not_a_broadcast():
+    o = torch.ones(2, 3, dtype=torch.float64)
+    entry, prob = compare_tensor("dq", torch.ones(1, 3), o, o)
+    assert prob == "dq: shape (1, 3) is not the oracle's (2, 3)" and math.isinf(entry["ratio"])

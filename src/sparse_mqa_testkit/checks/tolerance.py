@@ -105,6 +105,8 @@ def compare_tensor(name: str, kernel, oracle64, ref64, *, k: float = K_DEFAULT, 
     floor = float(floor)
     entry = {"error": math.inf, "allowed": floor, "ratio": math.inf, "reference_error": 0.0, "floor": floor,
              "k": k, "numel": int(o.numel())}
+    if a.shape != o.shape:
+        return entry, f"{name}: shape {tuple(a.shape)} is not the oracle's {tuple(o.shape)}"
     # non-finite positions must match exactly, class by class
     for label, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
         ma, mo = fn(a), fn(o)
