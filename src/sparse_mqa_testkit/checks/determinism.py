@@ -15,7 +15,7 @@ from .inputs import (BACKWARD_OUTPUTS, FORWARD_OUTPUTS, backend_inputs, bits, bi
 from .report import exception_summary, fmt_index, result
 from .tolerance import K_DEFAULT, compare_outputs
 
-POISON_BYTES = 64 << 20  # at most this much fresh NaN memory per poisoning round
+POISON_BYTES = 256 << 20  # per block; a poisoning round fills at most 4x this
 
 
 def _cuda_ok(backend) -> bool:
@@ -24,24 +24,43 @@ def _cuda_ok(backend) -> bool:
     return str(getattr(backend, "device", "cpu")).startswith("cuda") and torch.cuda.is_available()
 
 
+def _cached_free_blocks(dev) -> list[int]:
+    """Sizes of the CUDA caching allocator's free (inactive) blocks on ``dev``, largest first."""
+    import torch
+
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    sizes = []
+    try:
+        for seg in torch.cuda.memory_snapshot():
+            if seg.get("device", index) != index:
+                continue
+            sizes += [int(b["size"]) for b in seg.get("blocks", []) if b.get("state") == "inactive"]
+    except Exception:  # older torch: fall back to the total the stats report
+        stats = torch.cuda.memory_stats(dev)
+        sizes = [stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)]
+    return sorted(sizes, reverse=True)
+
+
 def poison_allocator(device, sizes_bytes) -> None:
-    """Allocate NaN-filled blocks of the given sizes (and, on CUDA, the cache's free bytes), then free them.
+    """Fill freed memory with NaN: allocate NaN blocks of the given sizes (on CUDA also one per free cached
+    block, largest first, so best-fit hands each block out), then free them all.
 
     The caching allocator hands freed blocks out again without clearing them (``empty_cache`` only returns
-    unused segments to the driver), so the next allocations of similar sizes start full of NaN.
+    whole unused segments to the driver), so the kernel's next allocations start full of NaN.
     """
     import torch
 
     dev = torch.device(device)
     sizes = [int(s) for s in sizes_bytes if s]
     if dev.type == "cuda":
-        stats = torch.cuda.memory_stats(dev)
-        free_cached = stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
-        sizes.append(min(int(free_cached), POISON_BYTES))
-    held = []
+        sizes = _cached_free_blocks(dev) + sizes
+    held, total = [], 0
     for s in sizes:
         n = max(1, min(s, POISON_BYTES) // 4)
+        if total + 4 * n > 4 * POISON_BYTES:
+            break
         held.append(torch.full((n,), math.nan, dtype=torch.float32, device=dev))
+        total += 4 * n
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     del held
