@@ -139,8 +139,13 @@ def test_skip_reasons_on_a_cpu_only_machine(downstream):
 def test_installed_suite_from_a_downstream_repo(downstream, monkeypatch):
     """--pyargs runs the installed suite; a failure names the check, the case and the replay command; the
     example database lands in the downstream repo, never in the installed package."""
+    import sys
+
     import sparse_mqa_testkit
 
+    # the suite's modules bake the profile in at import: import them afresh for this run (restored after)
+    for name in [m for m in sys.modules if m.startswith("sparse_mqa_testkit.property_tests.")]:
+        monkeypatch.delitem(sys.modules, name)
     pkg = __import__("pathlib").Path(sparse_mqa_testkit.__file__).parent
     before = {p for p in pkg.rglob("*") if ".hypothesis" in p.parts}
     out = downstream.path / "smqa.json"
