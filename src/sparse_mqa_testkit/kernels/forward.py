@@ -51,6 +51,7 @@ def build_program(key: fwd_plan.VariantKey):
     assert D == 2 * _V_HALF and NS == 2 and fwd_plan.THREADS == 384
     has_sink, has_topk = key.has_sink, key.has_topk_length
     ROWS_PER_PASS = 16  # producer: 8 threads per KV row, 16 rows per pass, BI / 16 passes
+    PASSES = BI // ROWS_PER_PASS
     CHUNKS = dqk // 64  # 16-byte chunks per thread per row (8 threads x 8 bf16 = 64 columns per step)
     ROW_CHUNKS = dqk // 8  # 16-byte chunks in one row of Q or KV
     Q_CHUNKS = HB * ROW_CHUNKS
@@ -96,7 +97,7 @@ def build_program(key: fwd_plan.VariantKey):
             sumexp_i = T.alloc_fragment([HB], f32)
             inv = T.alloc_fragment([HB], f32)
 
-            idx = T.alloc_var(i32)
+            idx_r = T.alloc_local([PASSES], i32)
             ok = T.alloc_var("bool")
 
             # k_ready: 128 cp.async arrivals (data landed) + 128 plain arrivals (release of valid_shared)
@@ -230,21 +231,23 @@ def build_program(key: fwd_plan.VariantKey):
                 p = tx - 256
                 for it in T.serial(n_pairs):
                     for st in T.unroll(NS):
+                        # this tile's indices are read before waiting for its buffer: their latency overlaps
+                        # the wait instead of serialising with the copies
+                        for r in T.unroll(PASSES):
+                            idx_r[r] = -1
+                            if (it * NS + st) * BI + r * ROWS_PER_PASS + p // 8 < n_valid:
+                                idx_r[r] = Indices[b_i, s_i, (it * NS + st) * BI + r * ROWS_PER_PASS + p // 8]
                         T.barrier_wait(bar_k_free[st], (it & 1) ^ 1)
-                        for r in T.serial(BI // ROWS_PER_PASS):
+                        for r in T.unroll(PASSES):
                             row = r * ROWS_PER_PASS + p // 8
-                            slot = (it * NS + st) * BI + row
-                            ok = False
-                            idx = 0
-                            if slot < n_valid:
-                                idx = Indices[b_i, s_i, slot]
-                                ok = T.And(idx >= 0, idx < seq_kv)
+                            ok = T.And((it * NS + st) * BI + row < n_valid,
+                                       T.And(idx_r[r] >= 0, idx_r[r] < seq_kv))
                             valid_shared[st, row] = ok
                             if ok:
                                 for u in T.serial(CHUNKS):
                                     T.ptx_cp_async(
                                         T.access_ptr(KV_shared[st, row, 64 * u + (p % 8) * 8], "w", 8),
-                                        T.access_ptr(KV[b_i, idx, 64 * u + (p % 8) * 8], "r", 8),
+                                        T.access_ptr(KV[b_i, idx_r[r], 64 * u + (p % 8) * 8], "r", 8),
                                         8,
                                     )
                         T.cp_async_barrier_noinc(bar_k_ready[st])
