@@ -143,3 +143,4 @@ def test_which_invalid_value_a_slot_holds(case):
     for v in (-1, 2**31 - 1, -(2**31), case.Skv):
         y = {**x, "indices": np.where(value_invalid, v, idx).astype(np.int32)}
         assert_bitwise(run(y), run(x), f"invalid slots set to {v}")
+

@@ -106,3 +106,31 @@ def test_never_reads_a_kv_row_no_valid_slot_points_at(case):
         clean, dirty = run(x, dtype), run({**x, "kv": kv}, dtype)
         assert_bitwise(dirty, clean, f"unreferenced kv rows set to NaN ({np.dtype(dtype).name})")
         assert not dirty["dkv"][~used].any()
+
+
+def test_a_hot_kv_row_does_not_blow_up_memory():
+    """Half of all slots on kv row 0, the rest spread over 4096 rows: dkv's grouping stays within a few times
+    the contributions' size (one grid padded to the hottest row would take ~270 MB here)."""
+    import tracemalloc
+
+    from sparse_mqa_testkit.cases import Case
+
+    case = Case(B=1, S=64, Skv=4096, H=2, L=64, Dqk=8, Dv=8, seed=11)
+    x = case.inputs()
+    idx = x["indices"].copy()
+    idx[..., ::2] = 0
+    x = {**x, "indices": idx}
+    tracemalloc.start()
+    try:
+        r = run(x)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, f"peak {peak / 2**20:.1f} MiB"
+    # dkv is additive over query rows: row 0's gradient from every 8th query row equals the sum of theirs
+    per_row = [run({**x, "q": x["q"][:, i:i + 1], "indices": idx[:, i:i + 1], "grad_out": x["grad_out"][:, i:i + 1]})
+               for i in range(0, case.S, 8)]
+    assert np.isfinite(r["dkv"]).all()
+    part = sum(p["dkv"][0, 0] for p in per_row)
+    sub = run({**x, "q": x["q"][:, ::8], "indices": idx[:, ::8], "grad_out": x["grad_out"][:, ::8]})["dkv"][0, 0]
+    np.testing.assert_allclose(sub, part, rtol=1e-12, atol=1e-12)

@@ -161,7 +161,11 @@ def backward(q, kv, indices, grad_out, *, sm_scale, d_v, attn_sink=None, topk_le
     ds *= scale
     w[:, :, :, 1] = P
     w = w.reshape(d.B, d.S, 2 * H, -1)
-    contrib = np.matmul(np.swapaxes(w, -1, -2), a)  # [B,S,Lc,Dqk]: scale dS^T q + P^T [dO; 0]
+    # each slot's dkv contribution scale dS^T q + P^T [dO; 0], written into a buffer with one zero row after it
+    n = c.rows.size
+    contrib = np.empty((n + 1, Dqk), c.dtype)
+    contrib[n] = 0
+    np.matmul(np.swapaxes(w, -1, -2), a, out=contrib[:n].reshape(d.B, d.S, -1, Dqk))
     dkv = _segment_sum(contrib, c)
     d_sink = None
     if c.sink is not None:
@@ -172,26 +176,39 @@ def backward(q, kv, indices, grad_out, *, sm_scale, d_v, attn_sink=None, topk_le
 
 
 def _segment_sum(contrib, c: _Call):
-    """dkv[b, j] = sum of contrib over valid slots with flat row b*Skv + j, in (row, slot) order, sequentially.
+    """dkv[b, j] = sum of contrib rows over valid slots with flat row b*Skv + j, in (b, i, slot) order.
 
-    Each valid contribution goes to cell (j, rank) of a zero grid [B*Skv, max multiplicity, Dqk], rank being
-    its position among row j's contributions in (b, i, slot) order; the grid is then reduced over the rank
-    axis in a fixed order (sequentially when Dqk > 1, the reduced axis not being the inner one). Adding the
-    grid's zero padding leaves every sum exact.
+    ``contrib`` is [N + 1, Dqk], one row per canonical slot plus a zero row. The kv rows that are referenced
+    are grouped by multiplicity class (1, 2, 3-4, 5-8, ...); per class a grid [rows, class's max multiplicity] of
+    contribution numbers (the zero row pads short lists) is gathered and reduced over the multiplicity axis. So
+    the grid never holds more than twice the contributions however skewed the references, each sum starts from
+    the row's first contribution and adds the others in order (sequentially when Dqk > 1, the reduced axis not
+    being NumPy's inner loop; padding adds exact zeros): deterministic and exact in the dtype's arithmetic.
+    (np.add.reduceat is not used: it does not add a segment's rows in order.)
     """
     d = c.dims
     n_rows = d.B * d.Skv
     flat_rows = c.rows.reshape(-1)
+    n = flat_rows.size
+    dkv = np.zeros((n_rows, d.Dqk), c.dtype)
     sel = np.flatnonzero(flat_rows < n_rows)
     if sel.size == 0:
-        return np.zeros((d.B, d.Skv, d.Dqk), c.dtype)
-    r = flat_rows[sel]
-    order = np.argsort(r, kind="stable")
-    r_sorted = r[order]
-    starts = np.searchsorted(r_sorted, r_sorted, side="left")
-    rank = np.empty_like(order)
-    rank[order] = np.arange(r.size) - starts
-    mult = int(rank.max()) + 1
-    grid = np.zeros((n_rows, mult, d.Dqk), c.dtype)
-    grid[r, rank] = contrib.reshape(-1, d.Dqk)[sel]
-    return grid.sum(axis=1).reshape(d.B, d.Skv, d.Dqk)
+        return dkv.reshape(d.B, d.Skv, d.Dqk)
+    order = sel[np.argsort(flat_rows[sel], kind="stable")]  # contribution numbers, grouped by kv row
+    r_sorted = flat_rows[order]
+    starts = np.flatnonzero(np.r_[True, r_sorted[1:] != r_sorted[:-1]])
+    used = r_sorted[starts]
+    counts = np.diff(np.r_[starts, r_sorted.size])
+    klass = np.ceil(np.log2(counts)).astype(np.int64)  # exact for the small ints counts are
+    row_of = np.repeat(np.arange(used.size), counts)  # per sorted contribution: its used row
+    rank = np.arange(r_sorted.size) - np.repeat(starts, counts)  # and its place in that row's list
+    slot_in_class = np.empty(used.size, np.int64)
+    for k in np.unique(klass):  # a loop over multiplicity classes: at most log2(N) + 1 of them
+        members = np.flatnonzero(klass == k)
+        slot_in_class[members] = np.arange(members.size)
+        mult = int(counts[members].max())
+        mine = klass[row_of] == k
+        grid = np.full((members.size, mult), n, dtype=np.int64)  # n: the zero row
+        grid[slot_in_class[row_of[mine]], rank[mine]] = order[mine]
+        dkv[used[members]] = np.take(contrib, grid.reshape(-1), axis=0).reshape(members.size, mult, d.Dqk).sum(1)
+    return dkv.reshape(d.B, d.Skv, d.Dqk)
