@@ -12,7 +12,8 @@ Markers: ``gpu`` (skipped with the reason when CUDA is absent), ``slow``, ``smqa
 
 Fixtures: ``smqa_backend`` (session; warmed up once per worker via the backend's optional ``warmup()``),
 ``smqa_case`` (a drawn case with its tensors on the backend's device), ``smqa_oracle`` (NumPy oracle on a case),
-``smqa_checks`` (the checks bound to the backend: ``smqa_checks.tolerance(case)``...).
+``smqa_checks`` (the checks bound to the backend: ``smqa_checks.tolerance(case)``...). A downstream
+``@given`` test gets the selected profile with ``@settings(sparse_mqa_testkit.profiles.active())``.
 
 xdist: ``-n auto`` starts one worker per visible GPU (the CPU count without CUDA), and each worker pins its own
 GPU through ``CUDA_VISIBLE_DEVICES`` in ``pytest_configure``, before CUDA is initialised.
@@ -232,12 +233,6 @@ def smqa_checks(smqa_backend):
     """The checks bound to the backend: ``smqa_checks.tolerance(case)``, ``.determinism(case)``, ``.guards``,
     ``.rejection``, ``.forward_tolerance``; each records, raises ``CheckFailure`` on failure, returns the result."""
     return suite.Checks(smqa_backend)
-
-
-@pytest.fixture(scope="session")
-def smqa_settings():
-    """The Hypothesis settings of the selected profile, for a downstream ``@settings(...)``-free test body."""
-    return profiles.active()
 
 
 # ---- running: gpu marker, the active backend, recording ------------------------------------------------------
