@@ -77,3 +77,28 @@ def test_xdist_auto_without_gpus_uses_the_cpu_count(pytester, monkeypatch):
     monkeypatch.setattr(gpu_workers, "cuda_device_count", lambda: 3)
     cfg = pytester.parseconfig("-n", "auto")
     assert plugin.pytest_xdist_auto_num_workers(cfg) == 3
+
+
+@pytest.mark.gpu
+def test_a_worker_computes_on_its_own_gpu_only(request, worker_id):
+    """On a GPU runner under `pytest -n auto`: this worker sees exactly the GPU it was pinned to, and keeps it
+    busy for a moment (so the utilisation log of ci/gpu shows every GPU working)."""
+    import time
+
+    import torch
+
+    winput = getattr(request.config, "workerinput", None)
+    gpus = (winput or {}).get("smqa_gpus") or []
+    if gpus:
+        import os
+
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == gpu_for_worker(worker_id, gpus)
+        assert torch.cuda.device_count() == 1
+    a = (torch.randn(4096, 4096, device="cuda") / 64).to(torch.bfloat16)
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        b = a @ a
+        torch.cuda.synchronize()
+    assert b.device.type == "cuda" and bool(torch.isfinite(b.float()).all())
+    p = torch.cuda.get_device_properties(0)
+    request.node.user_properties.append(("gpu", f"{worker_id}: {p.name}"))
