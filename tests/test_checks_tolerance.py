@@ -65,6 +65,7 @@ def test_message_names_tensor_index_values_case_and_repro():
     assert "Mismatched elements: " in m
     assert "index (0, 1, 0, 3): kernel 100, oracle " in m
     assert f"{oracle_val:.6g}" in m
+    assert f"Greatest absolute difference: {100 - oracle_val:.6g} at index (0, 1, 0, 3)" in m
     assert CASE.describe() in m and f"seed: {CASE.seed}" in m
     assert repro_command("bad-dq", "tolerance", CASE) in m
     assert res.per_tensor["dq"]["worst_index"] == idx

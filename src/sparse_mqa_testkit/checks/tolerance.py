@@ -149,6 +149,8 @@ def compare_tensor(name: str, kernel, oracle64, ref64, *, k: float = K_DEFAULT, 
     else:
         idx = ()
     ratio = err / allowed if allowed > 0 else (0.0 if err == 0 else math.inf)
+    amax = tuple(int(i) for i in torch.unravel_index(torch.argmax(d.abs().reshape(-1)), tuple(o.shape))) \
+        if o.numel() else ()
     ulps = None
     if contract.KERNEL_DTYPES.get(name) == "bfloat16" and n_fin:
         # A bf16 result within one ulp of the exact value everywhere is as good as a bf16 output gets, even
@@ -171,7 +173,8 @@ def compare_tensor(name: str, kernel, oracle64, ref64, *, k: float = K_DEFAULT, 
            f"[bound per element: allowed x (|oracle| + rms(oracle))]\n"
            f"  Worst element at index {fmt_index(idx)}: kernel {fmt_value(a[idx])}, oracle {fmt_value(o[idx])} "
            f"(abs diff {fmt_value(abs(float(a[idx]) - float(o[idx])))}, "
-           f"{fmt_value(float(excess.reshape(-1)[flat]))}x its bound)"
+           f"{fmt_value(float(excess.reshape(-1)[flat]))}x its bound)\n"
+           f"  Greatest absolute difference: {fmt_value(d.abs().max())} at index {fmt_index(amax)}"
            + ("" if ulps is None else f"\n  Largest difference in bf16 ulps: {ulps:.3g} (a result within 1 ulp "
                                       "everywhere would pass)"))
     return entry, msg
