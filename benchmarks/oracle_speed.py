@@ -5,6 +5,8 @@ Run with one BLAS thread, as the target is stated for one core:
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 python benchmarks/oracle_speed.py
 
 Reports the best (minimum) of several repeats, since the machine may be shared; the median is printed too.
+Both wall-clock and process CPU time are measured: with one BLAS thread the CPU time is the single-core work,
+and it is what stays meaningful when other jobs share the cores (wall-clock then includes waiting).
 """
 
 from __future__ import annotations
@@ -26,15 +28,16 @@ TYPICAL = Case(B=2, S=12, Skv=24, H=8, L=20, Dqk=16, Dv=8, sink="mixed", topk="r
                duplicates=True, seed=1)
 
 
-def _times(fn, repeats: int, warmup: int = 2) -> list[float]:
+def _times(fn, repeats: int, warmup: int = 2) -> dict:
     for _ in range(warmup):
         fn()
-    out = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        out.append(time.perf_counter() - t0)
-    return out
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - t0)
+    return {"wall": wall, "cpu": cpu}
 
 
 def _args(case: Case):
@@ -58,16 +61,20 @@ def main() -> None:
     threads = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     print(f"threads env: {threads}")
     print(f"target case: {TARGET.describe()}")
+    print(f"load average before: {os.getloadavg()[0]:.2f} (1 min)")
     for dtype in (np.float32, np.float64):
         r = bench(TARGET, a.repeats, dtype)
-        f, b = min(r["fwd"]) * 1e3, min(r["bwd"]) * 1e3
-        fm, bm = statistics.median(r["fwd"]) * 1e3, statistics.median(r["bwd"]) * 1e3
-        print(f"  {np.dtype(dtype).name}: forward {f:6.2f} ms (median {fm:6.2f}), backward {b:6.2f} ms "
-              f"(median {bm:6.2f}), forward+backward {f + b:6.2f} ms (median {fm + bm:6.2f})")
+        for clock in ("cpu", "wall"):
+            f, b = min(r["fwd"][clock]) * 1e3, min(r["bwd"][clock]) * 1e3
+            fm, bm = statistics.median(r["fwd"][clock]) * 1e3, statistics.median(r["bwd"][clock]) * 1e3
+            print(f"  {np.dtype(dtype).name} {clock:4s}: forward {f:6.2f} ms (median {fm:6.2f}), backward {b:6.2f} ms "
+                  f"(median {bm:6.2f}), forward+backward {f + b:6.2f} ms (median {fm + bm:6.2f})")
     print(f"typical CPU-test case: {TYPICAL.describe()}")
     r = bench(TYPICAL, max(a.repeats * 10, 100))
-    per = statistics.median(r["fwd"]) + statistics.median(r["bwd"])
-    print(f"  float32 forward+backward {per * 1e3:6.3f} ms (median) -> {1.0 / per:8.0f} examples/s")
+    for clock in ("cpu", "wall"):
+        per = statistics.median(r["fwd"][clock]) + statistics.median(r["bwd"][clock])
+        print(f"  float32 {clock:4s} forward+backward {per * 1e3:6.3f} ms (median) -> {1.0 / per:8.0f} examples/s")
+    print(f"load average after: {os.getloadavg()[0]:.2f} (1 min)")
 
 
 if __name__ == "__main__":

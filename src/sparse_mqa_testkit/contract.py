@@ -108,6 +108,8 @@ def dtype_name(x) -> str:
     if isinstance(x, type) and issubclass(x, np.generic):  # np.float32 and friends: a class, its .dtype a descriptor
         x = np.dtype(x)
     dt = getattr(x, "dtype", x)
+    if isinstance(dt, np.dtype):  # fast path (str() of a NumPy dtype runs Python code)
+        return dt.name
     name = str(dt)
     # torch.bfloat16 -> bfloat16, paddle.float32 -> float32; numpy/ml_dtypes print the bare name
     return name.rsplit(".", 1)[-1]

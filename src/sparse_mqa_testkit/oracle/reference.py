@@ -24,6 +24,8 @@ import numpy as np
 from .. import contract
 
 _FLOAT_DTYPES = (np.float32, np.float64)
+# dkv: one grid for all kv rows while it holds at most this many cells per contribution, else one per class
+_ONE_GRID_SLACK = 2
 
 
 def to_numpy(x):
@@ -179,7 +181,7 @@ def _segment_sum(contrib, c: _Call):
     """dkv[b, j] = sum of contrib rows over valid slots with flat row b*Skv + j, in (b, i, slot) order.
 
     ``contrib`` is [N + 1, Dqk], one row per canonical slot plus a zero row. The kv rows that are referenced
-    are grouped by multiplicity class (1, 2, 3-4, 5-8, ...); per class a grid [rows, class's max multiplicity] of
+    are grouped by multiplicity class (1, 2, 3-4, 5-8, ...; one class when that wastes little); per class a grid [rows, class's max multiplicity] of
     contribution numbers (the zero row pads short lists) is gathered and reduced over the multiplicity axis. So
     the grid never holds more than twice the contributions however skewed the references, each sum starts from
     the row's first contribution and adds the others in order (sequentially when Dqk > 1, the reduced axis not
@@ -199,9 +201,13 @@ def _segment_sum(contrib, c: _Call):
     starts = np.flatnonzero(np.r_[True, r_sorted[1:] != r_sorted[:-1]])
     used = r_sorted[starts]
     counts = np.diff(np.r_[starts, r_sorted.size])
-    klass = np.ceil(np.log2(counts)).astype(np.int64)  # exact for the small ints counts are
     row_of = np.repeat(np.arange(used.size), counts)  # per sorted contribution: its used row
     rank = np.arange(r_sorted.size) - np.repeat(starts, counts)  # and its place in that row's list
+    mult = int(counts.max())
+    if used.size * mult <= _ONE_GRID_SLACK * sel.size + 64:  # one grid, at most half padding: no classes
+        klass = np.zeros(used.size, np.int64)
+    else:
+        klass = np.ceil(np.log2(counts)).astype(np.int64)  # exact for the small ints counts are
     slot_in_class = np.empty(used.size, np.int64)
     for k in np.unique(klass):  # a loop over multiplicity classes: at most log2(N) + 1 of them
         members = np.flatnonzero(klass == k)
