@@ -153,6 +153,11 @@ def pytest_generate_tests(metafunc):
 
 
 def pytest_collection_modifyitems(config, items):
+    gpu_items = [i for i in items if i.get_closest_marker("gpu") is not None]
+    if gpu_items and not config.getoption("smqa_require_gpu") and not _cuda_available():
+        skip = pytest.mark.skip(reason=_NO_GPU.format(what="this test"))  # reported at the test, not here
+        for item in gpu_items:
+            item.add_marker(skip)
     wanted = [c.removeprefix("check_") for c in config.getoption("smqa_check")]
     if not wanted:
         return
@@ -179,8 +184,11 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+_NO_GPU = "{what} needs a CUDA GPU: torch.cuda.is_available() is False on this machine"
+
+
 def _no_gpu(config, what: str):
-    msg = f"{what} needs a CUDA GPU: torch.cuda.is_available() is False on this machine"
+    msg = _NO_GPU.format(what=what)
     if config.getoption("smqa_require_gpu"):
         pytest.fail(msg + " (--smqa-require-gpu)", pytrace=False)
     pytest.skip(msg)
