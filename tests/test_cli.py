@@ -51,17 +51,23 @@ def test_precompile_reports_missing_modules_and_lists_variants(tmp_path, monkeyp
     fake.precompile = lambda: ["fwd h16 sm_90a", "fwd h64 sm_90a"]
     monkeypatch.setitem(sys.modules, "fake_kernels", fake)
     monkeypatch.setitem(sys.modules, "fake_no_precompile", types.ModuleType("fake_no_precompile"))
+    crashing = types.ModuleType("fake_crashing")
+    crashing.precompile = lambda: 1 / 0
+    monkeypatch.setitem(sys.modules, "fake_crashing", crashing)
     monkeypatch.setenv("TILELANG_CACHE_DIR", "unchanged")
     monkeypatch.setattr(cli, "PRECOMPILE_MODULES", ("fake_kernels",))
     assert cli.main(["--precompile", str(tmp_path / "cache")]) == 0
     out = capsys.readouterr().out
     assert "fake_kernels: 2 kernel variants compiled" in out and "fwd h64 sm_90a" in out
     assert __import__("os").environ["TILELANG_CACHE_DIR"] == str((tmp_path / "cache").resolve())
-    monkeypatch.setattr(cli, "PRECOMPILE_MODULES", ("fake_kernels", "no_such_module_xyz", "fake_no_precompile"))
+    monkeypatch.setattr(cli, "PRECOMPILE_MODULES", ("fake_crashing", "fake_kernels", "no_such_module_xyz",
+                                                    "fake_no_precompile"))
     assert cli.main(["--precompile", str(tmp_path / "cache")]) == 1
     out = capsys.readouterr().out
     assert "no_such_module_xyz: cannot be imported" in out and "NOT precompiled" in out
     assert "fake_no_precompile: has no precompile()" in out and "(incomplete, see above)" in out
+    assert "fake_crashing: precompile() failed" in out and "ZeroDivisionError" in out
+    assert "fake_kernels: 2 kernel variants compiled" in out  # still compiled after the crash
 
 
 def test_main_job_fails_on_a_broken_backend_with_table_and_json(broken, tmp_path, monkeypatch, capfd):

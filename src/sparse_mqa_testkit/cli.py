@@ -166,7 +166,12 @@ def precompile(directory) -> int:
             rc = 1
             continue
         t0 = time.monotonic()
-        variants = list(fn())
+        try:
+            variants = list(fn())
+        except Exception as e:  # one module's failure must not stop the other's cache from filling
+            print(f"{name}: precompile() failed after {time.monotonic() - t0:.1f} s: {type(e).__name__}: {e}")
+            rc = 1
+            continue
         total += len(variants)
         print(f"{name}: {len(variants)} kernel variants compiled in {time.monotonic() - t0:.1f} s")
         for v in variants:
