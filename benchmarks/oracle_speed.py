@@ -12,8 +12,12 @@ and it is what stays meaningful when other jobs share the cores (wall-clock then
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -46,29 +50,57 @@ def _args(case: Case):
     return x, kw
 
 
-def bench(case: Case, repeats: int, dtype=np.float32) -> dict:
+def bench(case: Case, repeats: int, dtype=np.float32, impl=oracle) -> dict:
     x, kw = _args(case)
-    fwd = _times(lambda: oracle.forward(x["q"], x["kv"], x["indices"], dtype=dtype, **kw), repeats)
-    bwd = _times(lambda: oracle.backward(x["q"], x["kv"], x["indices"], x["grad_out"], dtype=dtype, **kw),
+    fwd = _times(lambda: impl.forward(x["q"], x["kv"], x["indices"], dtype=dtype, **kw), repeats)
+    bwd = _times(lambda: impl.backward(x["q"], x["kv"], x["indices"], x["grad_out"], dtype=dtype, **kw),
                  repeats)
     return {"fwd": fwd, "bwd": bwd}
+
+
+def load_revision(rev: str):
+    """The oracle's reference.py as it was at git revision ``rev``, loaded as a module (a peer to compare)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = subprocess.run(["git", "show", f"{rev}:src/sparse_mqa_testkit/oracle/reference.py"], cwd=root,
+                         capture_output=True, text=True, check=True).stdout
+    src = src.replace("from .. import contract", "from sparse_mqa_testkit import contract")
+    path = os.path.join(tempfile.mkdtemp(), "oracle_at_rev.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("oracle_at_rev", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _line(label: str, r: dict, clock: str) -> float:
+    f, b = min(r["fwd"][clock]) * 1e3, min(r["bwd"][clock]) * 1e3
+    fm, bm = statistics.median(r["fwd"][clock]) * 1e3, statistics.median(r["bwd"][clock]) * 1e3
+    print(f"  {label} {clock:4s}: forward {f:6.2f} ms (median {fm:6.2f}), backward {b:6.2f} ms "
+          f"(median {bm:6.2f}), forward+backward {f + b:6.2f} ms (median {fm + bm:6.2f})")
+    return f + b
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--against", metavar="REV", help="also time the oracle as of this git revision, in the same run")
     a = p.parse_args()
     threads = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     print(f"threads env: {threads}")
     print(f"target case: {TARGET.describe()}")
     print(f"load average before: {os.getloadavg()[0]:.2f} (1 min)")
+    peer = load_revision(a.against) if a.against else None
     for dtype in (np.float32, np.float64):
+        name = np.dtype(dtype).name
         r = bench(TARGET, a.repeats, dtype)
+        rp = bench(TARGET, a.repeats, dtype, peer) if peer else None
         for clock in ("cpu", "wall"):
-            f, b = min(r["fwd"][clock]) * 1e3, min(r["bwd"][clock]) * 1e3
-            fm, bm = statistics.median(r["fwd"][clock]) * 1e3, statistics.median(r["bwd"][clock]) * 1e3
-            print(f"  {np.dtype(dtype).name} {clock:4s}: forward {f:6.2f} ms (median {fm:6.2f}), backward {b:6.2f} ms "
-                  f"(median {bm:6.2f}), forward+backward {f + b:6.2f} ms (median {fm + bm:6.2f})")
+            now = _line(name, r, clock)
+            if rp:
+                then = _line(f"{name} at {a.against}", rp, clock)
+                print(f"  -> {then / now:.2f}x faster than {a.against} ({clock}, best of {a.repeats})")
     print(f"typical CPU-test case: {TYPICAL.describe()}")
     r = bench(TYPICAL, max(a.repeats * 10, 100))
     for clock in ("cpu", "wall"):
