@@ -51,8 +51,8 @@ def test_plan_covers_exactly_and_stays_in_bounds(H, L, S, B, budget, maxq):
 
 def test_anchor_plan_is_one_launch():
     p = make_plan(1, 4096, 8192, 64, 2048, 576, 512)
-    assert (p.head_group, p.n_groups, p.n_topk_blocks, p.n_chunks) == (64, 1, 64, 1)
-    assert p.variant == (576, 512, 64, 32)
+    assert (p.head_group, p.n_groups, p.n_topk_blocks, p.n_chunks) == (64, 1, 2048 // bwd_plan.TOPK_BLOCK, 1)
+    assert p.variant == (576, 512, 64, bwd_plan.TOPK_BLOCK)
     assert p.variant in bwd_plan.variants()
 
 

@@ -1,33 +1,59 @@
 """Deterministic sparse-MLA backward on Hopper (TileLang, sm_90a): dq, dkv and d_sink, bitwise stable.
 
-Design (issue 6, lead (a): exact int64 fixed point)
+Algorithm
     One thread block serves one query row and one head group (``bwd_plan``: 16, 32 or 64 heads; padded heads
-    load q = dO = Delta = 0 and lse = +inf, so P = dS = 0 there, and are never read or written). It walks the
-    row's top-k slots ``TOPK_BLOCK`` at a time: gathers the valid KV rows (an invalid slot's index is never
-    used as an address: the row is zero-filled), recomputes P = exp2(s * sm_scale * log2e - lse2) with the
-    sink folded into lse2, dP = dO V^T, dS = P (dP - Delta) sm_scale, and runs the GEMMs dq += dS K and
-    dkv_blk = dS^T Q + P^T [dO; 0] on tensor cores (bf16 operands, fp32 accumulation, fixed order).
+    load q = dO = Delta = 0 and lse = +inf, so P = dS = 0 there, and no row h >= H is read or written). It
+    walks the row's valid top-k prefix ``min(L, topk_length)`` ``topk_block`` slots at a time: gathers the
+    valid KV rows (an invalid slot's index is never used as an address; its tile row is zero), recomputes
+    P = exp2(s sm_scale log2e - lse2) with the sink folded into lse2, dP = dO V^T, dS = P (dP - Delta) sm_scale,
+    and runs dq += dS K and dkv_blk = dS^T Q + P^T [dO; 0] on tensor cores (bf16 operands, fp32 accumulators,
+    a fixed instruction order).
 
-    dq has one writer per element (its block), so it is deterministic as it stands. dkv rows receive
-    contributions from every (query, slot, head group) that names them, in an order the scheduler picks.
-    Each fp32 contribution is therefore rounded once to an integer multiple of 2**-F and added with int64
-    atomics into an int64 accumulator [B, Skv, Dqk]. Integer addition is associative, so the sum is exact and
-    the same bits come out whatever the order; a final pass converts accumulator * 2**-F to bf16. Only valid
-    slots add anything (empty rows and invalid slots add nothing; duplicates add once per slot).
+Determinism by construction
+    dq has one writer per element (its block, in a fixed loop order). dkv rows get contributions from every
+    (query, slot, head group) naming them, in an order the scheduler picks; so each fp32 contribution is
+    rounded once to an integer multiple of 2**-F and summed in int64 (issue 6, lead (a)). Integer addition
+    is associative: the accumulator holds the exact sum of the rounded terms whatever the order, and one
+    final pass turns accumulator * 2**-F into bf16. Delta, the kernel LSE, the bound for F and
+    d_sink = -sum p_sink Delta are torch reductions on fixed shapes (tree reductions, no atomics); d_sink is
+    summed per query chunk, then over chunks in order. No floating-point atomic is issued anywhere
+    (tests/test_backward_compile.py reads the generated CUDA).
 
-    F comes from a cheap bound G on any partial sum of dkv (``model.dkv_bound``: per query and head,
-    sum_t P <= 1 and sum_t |dS| <= 2 |dO| Vmax): F = 60 - ceil(log2 G), computed on the device from torch
-    reductions (no host sync) and passed to the kernel as a tensor. Resolution 2**-F sits ~2**-60 below the
-    bound; rows far below the bound lose relative precision (measured in tests/test_tilelang_model.py against
-    float32 accumulation: at a 2**40 spread of term magnitudes the int64 sum still beats float32).
+How the int64 sums reach memory (``REDUCE``)
+    "bulk" (default): a block's [topk_block, Dqk] int64 contributions are staged in shared memory
+    ``STAGE_ROWS`` rows at a time (two buffers) and each valid KV row goes out as ONE
+    ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64`` of Dqk * 8 bytes (two's complement, so
+    u64 addition is signed addition); a small inline-PTX prelude supplies it (TileLang 0.1.15 has only the
+    .f32 flavour). "atomic": one int64 atomicAdd per element from registers. On one H200 at the anchor shape
+    (B1 S4096 Skv8192 H64 L2048, finite sink; BENCHMARKS.md) "bulk" is 34.1 ms against 41.2 ms for "atomic"
+    (topk_block 16), and 37.4 against 43.9 ms at topk_block 32; all configurations give the same bits.
 
-    Delta = <dO, out> (fp32), the kernel LSE and d_sink = -sum p_sink Delta are torch reductions, which are
-    deterministic (fixed-shape tree reductions, no atomics); d_sink is summed per query chunk, then over
-    chunks in order.
+Fixed point and precision
+    F comes from a cheap bound G on any partial sum of dkv (``model.dkv_bound``: per query and head
+    sum_t P <= 1 and sum_t |dS| <= 2 |dO| Vmax, summed over queries): F = 60 - ceil(log2 G), computed on the
+    device (no host sync) and read by the kernel from a tensor. The resolution 2**-F sits 2**60 below G, so a
+    term loses at most 2**-61 G: a row 2**30 below G summing 1024 terms keeps 2**-21 relative accuracy, one
+    2**40 below keeps 2**-11, still under its own bf16 output rounding (2**-9). tests/test_tilelang_model.py
+    measures the int64 sum against float32 accumulation of the same terms spanning 2**0, 2**20 and 2**40:
+    never worse. The bound is loose by the ratio of
+    all queries to the queries that name a row (S L / Skv at most), which costs bits, not correctness; a
+    two-word split (issue 6) would buy 31 more bits at twice the reduction bytes and was not needed by any
+    case measured here.
+
+Tiles and what was measured (one H200, anchor shape, ms)
+    topk_block 32 (255 registers, 300 B spilled): 37.4 (bulk) / 43.9 (atomic). topk_block 16 (248 registers,
+    no spill): 34.1 (bulk). Prefetching block kb + 1 with cp.async during block kb (``PREFETCH``; needs the
+    shared-memory merge off): 37.8, slower, so off. cuDNN's non-deterministic backward takes 6.7-6.9 ms here
+    (helper E's same-session run, BENCHMARKS.md): this kernel is about 5x slower. Where the time goes: each
+    block iteration runs five small GEMMs ([64 x 16] scores on n8 wgmma tiles, a 16-row mma for dkv) with a
+    barrier between each, and stages 16 rows of int64 through shared memory; the reduction itself is a minor
+    part (bulk vs atomic above). Closing the gap needs a warp-specialised pipeline (producer gathers, consumer
+    warpgroups on 64-slot tiles) and, beyond that, fewer reduction bytes (one int64 row per query for all
+    heads): not done.
 
 Why not (b) buffer + CSR + ordered reduction, or (c) shards: both move the [S, L, Dqk] fp32 contributions
-    through memory at least twice; the int64 atomics move them once (at twice fp32's width). Speed notes and
-    the measured numbers are in BENCHMARKS.md (section "Deterministic TileLang backward").
+    through memory at least twice (write, then read to reduce); the bulk int64 reduction moves them once, at
+    twice fp32's width, and needs no sort.
 
 The NumPy model ``kernels.model`` runs this algorithm on CPU (same plan, padding and fixed-point scheme).
 """
@@ -40,25 +66,61 @@ from . import bwd_plan
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
+# How dkv contributions reach the int64 accumulator:
+#   "bulk":   rows staged in shared memory as int64, one cp.reduce.async.bulk .add.u64 per KV row (TMA engine)
+#   "atomic": one int64 atomicAdd per element, straight from registers (the first, simpler version)
+REDUCE_MODES = ("bulk", "atomic")
+REDUCE = "bulk"
+THREADS = {64: 256, 32: 128, 16: 128}  # per head group
+PREFETCH = False  # gather top-k block kb + 1 with cp.async while block kb computes
+STAGE_ROWS = 4  # KV rows per bulk round; two rounds in flight (double-buffered int64 staging)
 
-def _pass_configs():
+# Inline PTX the bulk mode needs (TileLang 0.1.15 has only the .f32 flavour of the bulk reduction).
+_PRELUDE = r"""
+__device__ __forceinline__ void smqa_bulk_add_u64(void const* smem, void* gmem, int bytes) {
+  unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64 [%0], [%1], %2;"
+               :: "l"(gmem), "r"(s), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void smqa_bulk_commit_wait_read1() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+}
+__device__ __forceinline__ void smqa_bulk_wait_read0() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void smqa_bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+"""
+
+
+def _pass_configs(prefetch: bool = False):
     import tilelang
 
+    # with prefetch, tiles are written by cp.async while others are in use: no liveness-based aliasing
     return {
         tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-        tilelang.PassConfigKey.TL_ENABLE_AGGRESSIVE_SHARED_MEMORY_MERGE: True,
+        tilelang.PassConfigKey.TL_ENABLE_AGGRESSIVE_SHARED_MEMORY_MERGE: not prefetch,
     }
 
 
-def build_program(variant: tuple):
+def build_program(variant: tuple, reduce: str = REDUCE, stage_rows: int = STAGE_ROWS, threads: int | None = None,
+                  prefetch: bool = PREFETCH):
     """The TileLang prim_func of one variant (Dqk, Dv, head_group, topk_block); sizes are symbolic."""
     import tilelang.language as T
 
+    if reduce not in REDUCE_MODES:
+        raise ValueError(f"reduce must be one of {REDUCE_MODES}, got {reduce!r}")
+    bulk = reduce == "bulk"
     dqk, dv, HG, BI = variant
+    R = stage_rows
+    assert BI % R == 0
     D = dv
     tail = dqk - dv
     TA = max(tail, 16)
-    threads = 256 if HG >= 64 else 128
+    if threads is None:
+        threads = THREADS.get(HG, 128)
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32, i64 = T.bfloat16, T.float32, T.int32, T.int64
     log2e = contract.LOG2E
@@ -79,16 +141,17 @@ def build_program(variant: tuple):
         sm_scale: f32,
     ):
         groups = T.ceildiv(heads, HG)
-        with T.Kernel(n_rows, batch, groups, threads=threads) as (bx, by, bz):
+        with T.Kernel(n_rows, batch, groups, threads=threads, prelude=_PRELUDE if bulk else None) as (bx, by, bz):
             Q_shared = T.alloc_shared([HG, D], bf16)
             dO_shared = T.alloc_shared([HG, D], bf16)
-            KV_shared = T.alloc_shared([BI, D], bf16)
+            NB = 2 if prefetch else 1  # KV tiles: with prefetch, block kb + 1 is gathered during block kb
+            KV_shared = T.alloc_shared([NB, BI, D], bf16)
             P_shared = T.alloc_shared([HG, BI], bf16)
             dS_shared = T.alloc_shared([HG, BI], bf16)
-            idx_shared = T.alloc_shared([BI], i32)
+            idx_shared = T.alloc_shared([NB, BI], i32)
             # the rope tail (Dqk - Dv columns); allocated at a dummy size when there is none
             Qt_shared = T.alloc_shared([HG, TA], bf16)
-            KVt_shared = T.alloc_shared([BI, TA], bf16)
+            KVt_shared = T.alloc_shared([NB, BI, TA], bf16)
             acc_dq_t = T.alloc_fragment([HG, TA], f32)
             acc_dkv_t = T.alloc_fragment([BI, TA], f32)
 
@@ -96,6 +159,7 @@ def build_program(variant: tuple):
             acc_dp = T.alloc_fragment([HG, BI], f32)
             acc_dq = T.alloc_fragment([HG, D], f32)
             acc_dkv = T.alloc_fragment([BI, D], f32)
+            stage = T.alloc_shared([2, R, dqk] if bulk else [1, 1, 2], i64)
             lse_f = T.alloc_fragment([HG], f32)
             delta_f = T.alloc_fragment([HG], f32)
 
@@ -103,6 +167,7 @@ def build_program(variant: tuple):
             s_i = Rows[bx]
             h0 = bz * HG
             fx = Fx[0]
+            tx = T.get_thread_binding()
             c2 = sm_scale * log2e
             n_valid = T.min(TopkLen[b_i, s_i], topk)
 
@@ -121,38 +186,91 @@ def build_program(variant: tuple):
             if tail > 0:
                 T.clear(acc_dq_t)
 
-            for kb in T.serial(T.ceildiv(n_valid, BI)):
-                # validity by the contract's rule; an invalid slot keeps -1 and its row is zero-filled
+            n_blk = T.ceildiv(n_valid, BI)
+            CH = dqk // 8  # 16-byte chunks per KV row
+            if prefetch:
+                # stale rows stay finite: zero once, then only valid rows are ever written
+                T.fill(KV_shared, 0)
+                T.fill(KVt_shared, 0)
                 for j in T.Parallel(BI):
-                    idx_shared[j] = T.if_then_else(kb * BI + j < n_valid, Indices[b_i, s_i, kb * BI + j], -1)
+                    idx_shared[0, j] = T.if_then_else(j < n_valid, Indices[b_i, s_i, j], -1)
                 for j in T.Parallel(BI):
-                    idx_shared[j] = T.if_then_else(T.And(idx_shared[j] >= 0, idx_shared[j] < seq_kv),
-                                                   idx_shared[j], -1)
-                for j, d in T.Parallel(BI, D):
-                    KV_shared[j, d] = T.if_then_else(idx_shared[j] >= 0, KV[b_i, idx_shared[j], d],
-                                                     T.cast(0, bf16))
-                if tail > 0:
-                    for j, d in T.Parallel(BI, tail):
-                        KVt_shared[j, d] = T.if_then_else(idx_shared[j] >= 0, KV[b_i, idx_shared[j], D + d],
-                                                          T.cast(0, bf16))
+                    idx_shared[0, j] = T.if_then_else(T.And(idx_shared[0, j] >= 0, idx_shared[0, j] < seq_kv),
+                                                      idx_shared[0, j], -1)
+                T.sync_threads()
+                for u in T.serial(T.ceildiv(BI * CH, threads)):
+                    c = u * threads + tx
+                    if c < BI * CH:
+                        if idx_shared[0, c // CH] >= 0:
+                            if (c % CH) * 8 < D:
+                                T.ptx_cp_async(T.access_ptr(KV_shared[0, c // CH, (c % CH) * 8], "w", 8),
+                                               T.access_ptr(KV[b_i, idx_shared[0, c // CH], (c % CH) * 8], "r", 8),
+                                               8)
+                            else:
+                                T.ptx_cp_async(T.access_ptr(KVt_shared[0, c // CH, (c % CH) * 8 - D], "w", 8),
+                                               T.access_ptr(KV[b_i, idx_shared[0, c // CH], (c % CH) * 8], "r", 8),
+                                               8)
+                T.ptx_commit_group()
 
-                T.gemm(Q_shared, KV_shared, acc_p, transpose_B=True, clear_accum=True,
+            for kb in T.serial(n_blk):
+                cur = kb % NB
+                if prefetch:
+                    nxt = 1 - cur
+                    for j in T.Parallel(BI):
+                        idx_shared[nxt, j] = T.if_then_else((kb + 1) * BI + j < n_valid,
+                                                            Indices[b_i, s_i, (kb + 1) * BI + j], -1)
+                    for j in T.Parallel(BI):
+                        idx_shared[nxt, j] = T.if_then_else(
+                            T.And(idx_shared[nxt, j] >= 0, idx_shared[nxt, j] < seq_kv), idx_shared[nxt, j], -1)
+                    T.ptx_wait_group(0)
+                    T.sync_threads()
+                    # gather block kb + 1 while block kb computes (its buffer was released by the last sync)
+                    if kb + 1 < n_blk:
+                        for u in T.serial(T.ceildiv(BI * CH, threads)):
+                            c = u * threads + tx
+                            if c < BI * CH:
+                                if idx_shared[nxt, c // CH] >= 0:
+                                    if (c % CH) * 8 < D:
+                                        T.ptx_cp_async(
+                                            T.access_ptr(KV_shared[nxt, c // CH, (c % CH) * 8], "w", 8),
+                                            T.access_ptr(KV[b_i, idx_shared[nxt, c // CH], (c % CH) * 8], "r", 8), 8)
+                                    else:
+                                        T.ptx_cp_async(
+                                            T.access_ptr(KVt_shared[nxt, c // CH, (c % CH) * 8 - D], "w", 8),
+                                            T.access_ptr(KV[b_i, idx_shared[nxt, c // CH], (c % CH) * 8], "r", 8), 8)
+                        T.ptx_commit_group()
+                else:
+                    # validity by the contract's rule; an invalid slot keeps -1 and its row is zero-filled
+                    for j in T.Parallel(BI):
+                        idx_shared[0, j] = T.if_then_else(kb * BI + j < n_valid, Indices[b_i, s_i, kb * BI + j], -1)
+                    for j in T.Parallel(BI):
+                        idx_shared[0, j] = T.if_then_else(T.And(idx_shared[0, j] >= 0, idx_shared[0, j] < seq_kv),
+                                                          idx_shared[0, j], -1)
+                    for j, d in T.Parallel(BI, D):
+                        KV_shared[0, j, d] = T.if_then_else(idx_shared[0, j] >= 0, KV[b_i, idx_shared[0, j], d],
+                                                            T.cast(0, bf16))
+                    if tail > 0:
+                        for j, d in T.Parallel(BI, tail):
+                            KVt_shared[0, j, d] = T.if_then_else(idx_shared[0, j] >= 0,
+                                                                 KV[b_i, idx_shared[0, j], D + d], T.cast(0, bf16))
+
+                T.gemm(Q_shared, KV_shared[cur, :, :], acc_p, transpose_B=True, clear_accum=True,
                        policy=T.GemmWarpPolicy.FullCol)
                 if tail > 0:
-                    T.gemm(Qt_shared, KVt_shared, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                    T.gemm(Qt_shared, KVt_shared[cur, :, :], acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
                 for h, j in T.Parallel(HG, BI):
-                    acc_p[h, j] = T.if_then_else(idx_shared[j] >= 0, T.exp2(acc_p[h, j] * c2 - lse_f[h]), 0.0)
+                    acc_p[h, j] = T.if_then_else(idx_shared[cur, j] >= 0, T.exp2(acc_p[h, j] * c2 - lse_f[h]), 0.0)
                 T.copy(acc_p, P_shared)
 
-                T.gemm(dO_shared, KV_shared, acc_dp, transpose_B=True, clear_accum=True,
+                T.gemm(dO_shared, KV_shared[cur, :, :], acc_dp, transpose_B=True, clear_accum=True,
                        policy=T.GemmWarpPolicy.FullCol)
                 for h, j in T.Parallel(HG, BI):
                     acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - delta_f[h]) * sm_scale
                 T.copy(acc_dp, dS_shared)
 
-                T.gemm(dS_shared, KV_shared, acc_dq, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(dS_shared, KV_shared[cur, :, :], acc_dq, policy=T.GemmWarpPolicy.FullCol)
                 if tail > 0:
-                    T.gemm(dS_shared, KVt_shared, acc_dq_t, policy=T.GemmWarpPolicy.FullCol)
+                    T.gemm(dS_shared, KVt_shared[cur, :, :], acc_dq_t, policy=T.GemmWarpPolicy.FullCol)
 
                 T.gemm(dS_shared, Q_shared, acc_dkv, transpose_A=True, clear_accum=True,
                        policy=T.GemmWarpPolicy.FullCol)
@@ -161,15 +279,38 @@ def build_program(variant: tuple):
                     T.gemm(dS_shared, Qt_shared, acc_dkv_t, transpose_A=True, clear_accum=True,
                            policy=T.GemmWarpPolicy.FullCol)
 
-                # exact, order-free accumulation: one rounding to 2**-F, then int64 atomics (valid slots only)
-                for j, d in T.Parallel(BI, D):
-                    if idx_shared[j] >= 0:
-                        T.atomic_add(Acc[b_i, idx_shared[j], d], T.cast(T.round(acc_dkv[j, d] * fx), i64))
-                if tail > 0:
-                    for j, d in T.Parallel(BI, tail):
-                        if idx_shared[j] >= 0:
-                            T.atomic_add(Acc[b_i, idx_shared[j], D + d],
-                                         T.cast(T.round(acc_dkv_t[j, d] * fx), i64))
+                # exact, order-free accumulation: one rounding to 2**-F, then int64 adds (valid slots only)
+                if bulk:
+                    for r in T.serial(BI // R):
+                        # buffer r % 2 was last read by the bulk group of round r - 2, retired below
+                        for j, d in T.Parallel(BI, D):
+                            if j // R == r:
+                                stage[r % 2, j % R, d] = T.cast(T.round(acc_dkv[j, d] * fx), i64)
+                        if tail > 0:
+                            for j, d in T.Parallel(BI, tail):
+                                if j // R == r:
+                                    stage[r % 2, j % R, D + d] = T.cast(T.round(acc_dkv_t[j, d] * fx), i64)
+                        T.fence_proxy_async()
+                        T.sync_threads()
+                        if tx < R:
+                            if idx_shared[cur, r * R + tx] >= 0:
+                                T.call_extern("handle", "smqa_bulk_add_u64", T.address_of(stage[r % 2, tx, 0]),
+                                              T.address_of(Acc[b_i, idx_shared[cur, r * R + tx], 0]), dqk * 8)
+                            T.call_extern("handle", "smqa_bulk_commit_wait_read1")
+                        T.sync_threads()
+                    # the staging may share memory with the next block's tiles: no read may stay in flight
+                    if tx < R:
+                        T.call_extern("handle", "smqa_bulk_wait_read0")
+                    T.sync_threads()
+                else:
+                    for j, d in T.Parallel(BI, D):
+                        if idx_shared[cur, j] >= 0:
+                            T.atomic_add(Acc[b_i, idx_shared[cur, j], d], T.cast(T.round(acc_dkv[j, d] * fx), i64))
+                    if tail > 0:
+                        for j, d in T.Parallel(BI, tail):
+                            if idx_shared[cur, j] >= 0:
+                                T.atomic_add(Acc[b_i, idx_shared[cur, j], D + d],
+                                             T.cast(T.round(acc_dkv_t[j, d] * fx), i64))
 
             for h, d in T.Parallel(HG, D):
                 if h0 + h < heads:
@@ -178,20 +319,26 @@ def build_program(variant: tuple):
                 for h, d in T.Parallel(HG, tail):
                     if h0 + h < heads:
                         dQ[b_i, s_i, h0 + h, D + d] = T.cast(acc_dq_t[h, d], bf16)
+            if bulk:
+                if tx < R:
+                    T.call_extern("handle", "smqa_bulk_wait_all")
 
     return sparse_mla_bwd
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(variant: tuple):
+def compiled(variant: tuple, reduce: str = REDUCE, stage_rows: int = STAGE_ROWS, threads: int | None = None,
+             prefetch: bool = PREFETCH):
     """The compiled kernel of one variant (TileLang's disk cache under TILELANG_CACHE_DIR makes reloads cheap)."""
     import tilelang
 
-    return tilelang.compile(build_program(variant), out_idx=None, target=TARGET, pass_configs=_pass_configs())
+    return tilelang.compile(build_program(variant, reduce, stage_rows, threads, prefetch), out_idx=None,
+                            target=TARGET, pass_configs=_pass_configs(prefetch))
 
 
-def kernel_source(variant: tuple) -> str:
-    return compiled(variant).get_kernel_source()
+def kernel_source(variant: tuple, reduce: str = REDUCE, stage_rows: int = STAGE_ROWS,
+                  threads: int | None = None, prefetch: bool = PREFETCH) -> str:
+    return compiled(variant, reduce, stage_rows, threads, prefetch).get_kernel_source()
 
 
 def precompile() -> list[str]:
@@ -245,7 +392,9 @@ def _sink_probability(lse, attn_sink):
 
 
 def sparse_mla_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None,
-                        max_query_chunk: int = bwd_plan.MAX_QUERY_CHUNK):
+                        max_query_chunk: int = bwd_plan.MAX_QUERY_CHUNK, reduce: str = REDUCE,
+                        stage_rows: int = STAGE_ROWS, threads: int | None = None, topk_block: int | None = None,
+                        prefetch: bool = PREFETCH):
     """Contract backward on the GPU: ``(dq bf16, dkv bf16, d_sink fp32 or None)``, bitwise deterministic.
 
     Arguments are validated (shapes, kernel dtypes, device, supported dims) before any GPU work.
@@ -258,8 +407,8 @@ def sparse_mla_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
         raise ValueError(f"q must be on a CUDA device, got {q.device}")
     sm_scale = float(sm_scale)
     plan = bwd_plan.make_plan(dims.B, dims.S, dims.Skv, dims.H, dims.L, dims.Dqk, dims.Dv,
-                              max_query_chunk=max_query_chunk)
-    kernel = compiled(plan.variant)
+                              max_query_chunk=max_query_chunk, topk_block=topk_block)
+    kernel = compiled(plan.variant, reduce, stage_rows, threads, prefetch)
     dev = q.device
     q, kv, out, grad_out, lse, indices = (t.contiguous() for t in (q, kv, out, grad_out, lse, indices))
     with torch.cuda.device(dev):

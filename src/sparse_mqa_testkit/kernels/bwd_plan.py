@@ -8,7 +8,7 @@ head groups
     groups. Heads past H in the last group are *padding*: the kernel loads q = dO = 0, Delta = 0 and
     lse = +inf for them (so P = dS = 0 exactly) and never reads or writes row h >= H of any tensor.
 top-k blocks
-    Slots are processed ``topk_block`` at a time; L is padded up to a multiple and padded slots t >= L are
+    Slots are processed ``topk_block`` at a time (``TOPK_BLOCKS``, by head group); L is padded up to a multiple and padded slots t >= L are
     invalid: their index is never read, their KV row never gathered, their contribution never added.
 query chunks
     Queries are launched ``query_chunk`` at a time so the per-chunk staging (Delta and the kernel LSE,
@@ -26,7 +26,10 @@ import math
 from dataclasses import dataclass
 
 HEAD_GROUPS = (16, 32, 64)
-TOPK_BLOCK = 32
+# top-k slots per block, by head group: the 16-head block's [16 x slots] score tile needs 32 slots to spread
+# over its 4 warps; the larger groups take 16 (fewer registers, no spills at 64 heads)
+TOPK_BLOCKS = {16: 32, 32: 16, 64: 16}
+TOPK_BLOCK = TOPK_BLOCKS[64]
 DEFAULT_WORKSPACE_BUDGET = 256 * 2**20  # bytes
 MAX_QUERY_CHUNK = 4096  # queries per launch: the anchor shape (S = 4096) is one launch
 ACC_BITS = 62  # int64 accumulator: magnitudes stay below 2**62, one bit short of the sign
@@ -122,9 +125,11 @@ def staging_bytes_per_query(B: int, H: int) -> int:
 
 
 def make_plan(B: int, S: int, Skv: int, H: int, L: int, Dqk: int, Dv: int, *,
-              workspace_budget: int = DEFAULT_WORKSPACE_BUDGET, topk_block: int = TOPK_BLOCK,
+              workspace_budget: int = DEFAULT_WORKSPACE_BUDGET, topk_block: int | None = None,
               max_query_chunk: int = MAX_QUERY_CHUNK) -> BwdPlan:
     """The plan for one call. ``workspace_budget`` bounds the per-chunk staging (at least one query a chunk)."""
+    if topk_block is None and isinstance(H, int) and not isinstance(H, bool) and H >= 1:
+        topk_block = TOPK_BLOCKS[head_group_for(H)]
     for name, v in (("B", B), ("S", S), ("Skv", Skv), ("H", H), ("L", L), ("Dqk", Dqk), ("Dv", Dv),
                     ("topk_block", topk_block), ("max_query_chunk", max_query_chunk)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -143,7 +148,7 @@ def make_plan(B: int, S: int, Skv: int, H: int, L: int, Dqk: int, Dv: int, *,
 
 def variants(dims=((576, 512), (512, 512))) -> list[tuple]:
     """Every kernel variant a plan can ask for with the default tiles: (Dqk, Dv, head_group, topk_block)."""
-    return [(dqk, dv, hg, TOPK_BLOCK) for dqk, dv in dims for hg in HEAD_GROUPS]
+    return [(dqk, dv, hg, TOPK_BLOCKS[hg]) for dqk, dv in dims for hg in HEAD_GROUPS]
 
 
 def fixed_point_exponent(bound: float) -> int:

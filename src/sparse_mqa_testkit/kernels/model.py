@@ -163,7 +163,7 @@ class TileLangModelBackend(BackendBase):
     @property
     def tiles(self) -> dict:
         return {"head_group": bwd_plan.HEAD_GROUPS[0], "query_chunk": MODEL_QUERY_CHUNK,
-                "topk_block": bwd_plan.TOPK_BLOCK}
+                "topk_block": min(bwd_plan.TOPK_BLOCKS.values())}
 
     def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
         import torch
