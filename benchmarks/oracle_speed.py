@@ -102,10 +102,14 @@ def main() -> None:
                 then = _line(f"{name} at {a.against}", rp, clock)
                 print(f"  -> {then / now:.2f}x faster than {a.against} ({clock}, best of {a.repeats})")
     print(f"typical CPU-test case: {TYPICAL.describe()}")
-    r = bench(TYPICAL, max(a.repeats * 10, 100))
-    for clock in ("cpu", "wall"):
-        per = statistics.median(r["fwd"][clock]) + statistics.median(r["bwd"][clock])
-        print(f"  float32 {clock:4s} forward+backward {per * 1e3:6.3f} ms (median) -> {1.0 / per:8.0f} examples/s")
+    for label, impl in (("float32", oracle), (f"float32 at {a.against}", peer)):
+        if impl is None:
+            continue
+        r = bench(TYPICAL, max(a.repeats * 10, 100), impl=impl)
+        for clock in ("cpu", "wall"):
+            per = statistics.median(r["fwd"][clock]) + statistics.median(r["bwd"][clock])
+            print(f"  {label} {clock:4s} forward+backward {per * 1e3:6.3f} ms (median) -> {1.0 / per:8.0f} "
+                  "examples/s")
     print(f"load average after: {os.getloadavg()[0]:.2f} (1 min)")
 
 

@@ -198,23 +198,29 @@ def _segment_sum(contrib, c: _Call):
         return dkv.reshape(d.B, d.Skv, d.Dqk)
     order = sel[np.argsort(flat_rows[sel], kind="stable")]  # contribution numbers, grouped by kv row
     r_sorted = flat_rows[order]
-    starts = np.flatnonzero(np.r_[True, r_sorted[1:] != r_sorted[:-1]])
+    first = np.empty(r_sorted.size, bool)
+    first[0] = True
+    np.not_equal(r_sorted[1:], r_sorted[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
     used = r_sorted[starts]
-    counts = np.diff(np.r_[starts, r_sorted.size])
-    row_of = np.repeat(np.arange(used.size), counts)  # per sorted contribution: its used row
-    rank = np.arange(r_sorted.size) - np.repeat(starts, counts)  # and its place in that row's list
+    counts = np.diff(starts, append=r_sorted.size)
+    row_of = np.cumsum(first) - 1  # per sorted contribution: its used row (integer counting, exact)
+    rank = np.arange(r_sorted.size) - starts[row_of]  # and its place in that row's list
     mult = int(counts.max())
     if used.size * mult <= _ONE_GRID_SLACK * sel.size + 64:  # one grid, at most half padding: no classes
-        klass = np.zeros(used.size, np.int64)
+        groups = [(np.arange(used.size), row_of, rank, order, mult)]
     else:
         klass = np.ceil(np.log2(counts)).astype(np.int64)  # exact for the small ints counts are
-    slot_in_class = np.empty(used.size, np.int64)
-    for k in np.unique(klass):  # a loop over multiplicity classes: at most log2(N) + 1 of them
-        members = np.flatnonzero(klass == k)
-        slot_in_class[members] = np.arange(members.size)
-        mult = int(counts[members].max())
-        mine = klass[row_of] == k
-        grid = np.full((members.size, mult), n, dtype=np.int64)  # n: the zero row
-        grid[slot_in_class[row_of[mine]], rank[mine]] = order[mine]
-        dkv[used[members]] = np.take(contrib, grid.reshape(-1), axis=0).reshape(members.size, mult, d.Dqk).sum(1)
+        slot_in_class = np.empty(used.size, np.int64)
+        groups = []
+        for k in np.unique(klass):  # a loop over multiplicity classes: at most log2(N) + 1 of them
+            members = np.flatnonzero(klass == k)
+            slot_in_class[members] = np.arange(members.size)
+            mine = klass[row_of] == k
+            groups.append((members, slot_in_class[row_of[mine]], rank[mine], order[mine],
+                           int(counts[members].max())))
+    for members, at_row, at_rank, what, width in groups:
+        grid = np.full((members.size, width), n, dtype=np.int64)  # n: the zero row
+        grid[at_row, at_rank] = what
+        dkv[used[members]] = np.take(contrib, grid.reshape(-1), axis=0).reshape(members.size, width, d.Dqk).sum(1)
     return dkv.reshape(d.B, d.Skv, d.Dqk)
