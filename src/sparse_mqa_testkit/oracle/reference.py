@@ -4,15 +4,18 @@ How it stays exact and cheap:
 
 - Canonical slots. Each row's slots are sorted by KV index with the invalid ones last, and the slot axis is
   cut to the longest row's count of valid slots. The oracle's results are therefore BITWISE independent of
-  slot order, of appended invalid slots and of which invalid value a slot holds: the arithmetic is the same.
+  slot order, of appended invalid slots, of which invalid value a slot holds, and of extra query rows with no
+  valid slot: the arithmetic is the same. (Not of the head count: H is a matmul dimension and BLAS picks its
+  kernels by size, so padding heads changes results by rounding only.)
 - Invalid slots are never used to address memory: they gather an appended all-zero row, so no value of kv
   outside the valid rows (a NaN, say) reaches a result, and 2**31-1 is harmless.
 - Vectorised: one gather of the valid slots' KV rows, batched matmuls over rows (b, i), no Python loop over
-  rows or slots. The backward stacks [q; dO] to get scores and dP from one matmul, and [dS | P] to get each
-  slot's dkv contribution from one matmul.
-- dkv is summed in a fixed order (rows, then slots, in ascending order) by placing each contribution in a
-  [Skv, max multiplicity] grid and reducing over that axis: deterministic, exact in the asked dtype's
-  arithmetic, no np.add.at and no cumulative-sum differences. d_sink is accumulated over rows in order.
+  rows or slots. The backward stacks (q_h, [dO_h; 0]) per head to get scores and dP from one matmul, and
+  (scale dS_h, P_h) to get each slot's dkv contribution from one matmul; Delta = <dO, out> is taken as
+  sum_t P_t dP_t, which is the same quantity without recomputing out.
+- dkv adds each kv row's contributions in (b, i, slot) order, from padded grids (see ``_segment_sum``):
+  deterministic, exact in the asked dtype's arithmetic, no np.add.at and no cumulative-sum differences.
+  d_sink is accumulated over rows in order.
 """
 
 from __future__ import annotations
