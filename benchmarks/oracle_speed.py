@@ -32,16 +32,19 @@ TYPICAL = Case(B=2, S=12, Skv=24, H=8, L=20, Dqk=16, Dv=8, sink="mixed", topk="r
                duplicates=True, seed=1)
 
 
-def _times(fn, repeats: int, warmup: int = 2) -> dict:
+def _times(fns, repeats: int, warmup: int = 2) -> list[dict]:
+    """Time each of ``fns`` ``repeats`` times, interleaved (A B A B ...) so that all see the same machine."""
     for _ in range(warmup):
-        fn()
-    wall, cpu = [], []
+        for fn in fns:
+            fn()
+    res = [{"wall": [], "cpu": []} for _ in fns]
     for _ in range(repeats):
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - t0)
-    return {"wall": wall, "cpu": cpu}
+        for fn, r in zip(fns, res):
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            r["cpu"].append(time.process_time() - c0)
+            r["wall"].append(time.perf_counter() - t0)
+    return res
 
 
 def _args(case: Case):
@@ -50,12 +53,13 @@ def _args(case: Case):
     return x, kw
 
 
-def bench(case: Case, repeats: int, dtype=np.float32, impl=oracle) -> dict:
+def bench(case: Case, repeats: int, dtype=np.float32, impls=(oracle,)) -> list[dict]:
+    """Forward and backward timings per implementation: [{"fwd": {...}, "bwd": {...}}, ...]."""
     x, kw = _args(case)
-    fwd = _times(lambda: impl.forward(x["q"], x["kv"], x["indices"], dtype=dtype, **kw), repeats)
-    bwd = _times(lambda: impl.backward(x["q"], x["kv"], x["indices"], x["grad_out"], dtype=dtype, **kw),
-                 repeats)
-    return {"fwd": fwd, "bwd": bwd}
+    fwd = _times([lambda m=m: m.forward(x["q"], x["kv"], x["indices"], dtype=dtype, **kw) for m in impls], repeats)
+    bwd = _times([lambda m=m: m.backward(x["q"], x["kv"], x["indices"], x["grad_out"], dtype=dtype, **kw)
+                  for m in impls], repeats)
+    return [{"fwd": f, "bwd": b} for f, b in zip(fwd, bwd)]
 
 
 def load_revision(rev: str):
@@ -94,18 +98,17 @@ def main() -> None:
     peer = load_revision(a.against) if a.against else None
     for dtype in (np.float32, np.float64):
         name = np.dtype(dtype).name
-        r = bench(TARGET, a.repeats, dtype)
-        rp = bench(TARGET, a.repeats, dtype, peer) if peer else None
+        r, *rest = bench(TARGET, a.repeats, dtype, (oracle, peer) if peer else (oracle,))
+        rp = rest[0] if rest else None
         for clock in ("cpu", "wall"):
             now = _line(name, r, clock)
             if rp:
                 then = _line(f"{name} at {a.against}", rp, clock)
                 print(f"  -> {then / now:.2f}x faster than {a.against} ({clock}, best of {a.repeats})")
     print(f"typical CPU-test case: {TYPICAL.describe()}")
-    for label, impl in (("float32", oracle), (f"float32 at {a.against}", peer)):
-        if impl is None:
-            continue
-        r = bench(TYPICAL, max(a.repeats * 10, 100), impl=impl)
+    impls = (oracle, peer) if peer else (oracle,)
+    labels = ("float32", f"float32 at {a.against}")
+    for label, r in zip(labels, bench(TYPICAL, max(a.repeats * 10, 100), impls=impls)):
         for clock in ("cpu", "wall"):
             per = statistics.median(r["fwd"][clock]) + statistics.median(r["bwd"][clock])
             print(f"  {label} {clock:4s} forward+backward {per * 1e3:6.3f} ms (median) -> {1.0 / per:8.0f} "
