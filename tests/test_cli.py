@@ -103,3 +103,40 @@ def test_nightly_failure_becomes_reproducer_ledger_and_replays_from_the_database
     assert rc == 0
     rc, data = cli.run_suite([broken], profile="ci", database=out / "examples", extra=["--smqa-check", "tolerance"])
     assert rc == 1 and data["rows"][0]["outcome"] == "failed"
+
+
+def test_nightly_pass_appends_to_the_ledger_and_compares_with_the_last_run(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "night"
+    out.mkdir()
+    previous = [{"date": "yesterday", "ratios": {"reference": {"tolerance": {"sink finite": {"n": 3,
+                                                                                            "max_ratio": 0.25}}}}}]
+    (out / "ledger.json").write_text(json.dumps(previous))
+    assert run_nightly(["reference"], budget=5, out=out, extra=["--smqa-check", "tolerance"]) == 0
+    printed = capfd.readouterr().out
+    assert "[nightly] PASS: 1 rounds" in printed and "ledger reference tolerance: worst ratio" in printed
+    ledger = json.loads((out / "ledger.json").read_text())
+    assert len(ledger) == 2 and ledger[-1]["failures"] == 0 and ledger[-1]["examples"] > 0
+    ratios = ledger[-1]["ratios"]["reference"]["tolerance"]
+    assert ratios and all(v["max_ratio"] < 1 for v in ratios.values())
+    assert not list(out.glob("reproducer-*"))
+    # a creeping ratio is shown next to the last run's
+    from sparse_mqa_testkit.nightly import append_ledger
+
+    append_ledger(out / "ledger.json", {"reference": {"tolerance": {"sink finite": {"n": 5, "max_ratio": 0.5}}}})
+    assert "worst ratio 0.500 at 'sink finite' (last run " in capfd.readouterr().out
+
+
+def test_progress_lines_name_examples_failures_and_time_left(monkeypatch, capfd):
+    import time
+
+    from sparse_mqa_testkit import suite
+    from sparse_mqa_testkit.cases import Case
+
+    monkeypatch.setenv(suite.PROGRESS_ENV, "0.001")
+    monkeypatch.setenv(suite.DEADLINE_ENV, str(time.time() + 120))
+    monkeypatch.setattr(suite, "_last_progress", [0.0])
+    rec = suite.Recorder(check="tolerance", backend="reference")
+    rec.add_case(Case())
+    err = capfd.readouterr().err
+    assert "[smqa] tolerance[reference]: 1 examples, 0 failures, 2.0 min left" in err
