@@ -148,11 +148,13 @@ def build_program(key: fwd_plan.VariantKey):
                     for st in T.unroll(NS):
                         T.barrier_wait(bar_k_ready[st], it & 1)
                         T.fence_proxy_async()
-                        T.gemm(Q_shared[:, 0:_V_HALF], KV_shared[st, :, 0:_V_HALF], acc_s, transpose_B=True,
-                               clear_accum=True)
-                        T.gemm(Q_shared[:, _V_HALF:D], KV_shared[st, :, _V_HALF:D], acc_s, transpose_B=True)
+                        # the score product's pieces go to the tensor cores back to back, one wait at the end
+                        T.wgmma_gemm(Q_shared[:, 0:_V_HALF], KV_shared[st, :, 0:_V_HALF], acc_s,
+                                     transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(Q_shared[:, _V_HALF:D], KV_shared[st, :, _V_HALF:D], acc_s, transpose_B=True)
                         if tail > 0:
-                            T.gemm(Q_shared[:, D:dqk], KV_shared[st, :, D:dqk], acc_s, transpose_B=True)
+                            T.wgmma_gemm(Q_shared[:, D:dqk], KV_shared[st, :, D:dqk], acc_s, transpose_B=True)
+                        T.wait_wgmma(0)
                         for h, j in T.Parallel(HB, BI):
                             acc_s[h, j] = T.if_then_else(valid_shared[st, j], acc_s[h, j] * scale2,
                                                          -T.infinity(f32))
