@@ -15,7 +15,8 @@ has no valid slot, where out is 0). B, S, Skv, H and L are symbolic and sm_scale
 compiled variant per ``fwd_plan.VariantKey`` serves every size.
 """
 
-
+# No ``from __future__ import annotations`` here: TileLang evaluates the kernel's parameter annotations, and
+# they name sizes local to ``build_program``.
 import functools
 import math
 
@@ -24,7 +25,6 @@ from ..backends.validate import check_forward_args
 from . import fwd_plan
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
-PASS_CONFIGS_KEYS = ("TL_ENABLE_FAST_MATH",)
 
 _V_HALF = 256  # each consumer owns Dv / 2 = 256 output columns
 
