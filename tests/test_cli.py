@@ -140,3 +140,15 @@ def test_progress_lines_name_examples_failures_and_time_left(monkeypatch, capfd)
     rec.add_case(Case())
     err = capfd.readouterr().err
     assert "[smqa] tolerance[reference]: 1 examples, 0 failures, 2.0 min left" in err
+
+
+def test_a_main_job_that_checked_nothing_fails(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gpuonly.py").write_text(
+        "from sparse_mqa_testkit.backends.reference import ReferenceBackend\n"
+        "class OnGpu(ReferenceBackend):\n    name = 'ongpu'\n    def __init__(self):\n"
+        "        self.device = 'cuda'\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the child sees no GPU, whatever this machine has
+    assert cli.main(["--backend", "gpuonly:OnGpu", "--check", "guards"]) == 1
+    assert "nothing was checked: backend 'gpuonly:OnGpu' (device cuda) needs a CUDA GPU" in capfd.readouterr().out

@@ -74,6 +74,10 @@ def main(argv=None) -> int:
                          extra=extra)
     rows = data.get("rows", [])
     failed = [r for r in rows if r["outcome"] in ("failed", "error")]
+    if rc == 0 and all(r["outcome"] == "skipped" for r in rows):
+        reasons = sorted({r.get("reason", "") for r in rows}) or ["no suite test was collected"]
+        print(f"sparse-mqa-check: nothing was checked: {'; '.join(reasons)}")
+        rc = 1
     verdict = "FAIL" if rc != 0 else "PASS"
     print(f"sparse-mqa-check: {verdict}: backend {', '.join(backends)}, profile {data.get('profile', '?')}, "
           f"{sum(r['cases'] for r in rows)} cases in {len(rows)} checks, {len(failed)} failed, "

@@ -185,6 +185,8 @@ def format_table(rows: list[dict]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in table]
     lines.insert(1, "-" * len(lines[0]))
     for backend, labels in coverage(rows).items():
+        if not labels:
+            continue
         lines += ["", f"boundary classes covered on {backend} (cases, worst ratio over its checks):"]
         cells = [f"{k}: {v['n']}" + (f" ({v['max_ratio']:.2f})" if v["max_ratio"] is not None else "")
                  for k, v in sorted(labels.items())]
