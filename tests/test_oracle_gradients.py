@@ -49,7 +49,7 @@ def _check(name, fd_noise, grad, v):
         f"allowed {allowed:.3e})")
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(case=small_cases())
 # every feature at least once per run, whatever Hypothesis draws
 @example(case=Case(B=2, S=5, Skv=7, H=3, L=9, Dqk=16, Dv=8, sink="mixed", topk="random", invalid="mixed",

@@ -31,7 +31,7 @@ def _topk_positions(x):
     return np.arange(L) >= x["topk_length"][..., None]
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(case=small_cases())
 def test_permuting_slots(case):
     x = case.inputs()
@@ -44,7 +44,7 @@ def test_permuting_slots(case):
     assert_bitwise(run(y), run(x), "slots permuted")
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(case=small_cases(), extra=st.integers(1, 7))
 def test_appending_invalid_slots(case, extra):
     x = case.inputs()
@@ -55,7 +55,7 @@ def test_appending_invalid_slots(case, extra):
     assert_bitwise(run(y), run(x), f"{extra} invalid slots appended")
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(case=small_cases(), extra=st.integers(1, 5))
 def test_padding_heads_that_attend_to_nothing(case, extra):
     """Extra heads with q = 0, grad_out = 0 and sink -inf, appended: the real heads' results are unchanged.
@@ -98,7 +98,7 @@ def test_padding_heads_that_attend_to_nothing(case, extra):
         assert not got["d_sink"][H:].any(), "padded heads must get d_sink = 0"
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(case=small_cases(), extra=st.integers(1, 5))
 def test_padding_query_rows_with_no_valid_slot(case, extra):
     """Extra rows (random q, grad_out, topk_length) whose indices are all invalid, at random positions."""
@@ -124,7 +124,7 @@ def test_padding_query_rows_with_no_valid_slot(case, extra):
     assert_bitwise(sub, want, f"{extra} empty rows padded")
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(case=small_cases())
 def test_which_invalid_value_a_slot_holds(case):
     """Every value-invalid slot gets another invalid value (-1 -> 2**31-1 -> -2**31 -> Skv ...), and every slot

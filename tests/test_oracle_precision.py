@@ -64,7 +64,7 @@ def _magnitudes(case, x):
 WORST = {"ratio": 0.0}
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(case=small_cases())
 def test_float32_within_the_stated_bound_of_float64(case):
     x = case.inputs()

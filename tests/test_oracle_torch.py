@@ -59,7 +59,7 @@ def dense_reference(x: dict):
             "dkv": kv.grad.numpy(), "d_sink": d_sink}
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(case=small_cases())
 # every feature at least once per run, whatever Hypothesis draws
 @example(case=Case(B=2, S=5, Skv=7, H=3, L=9, Dqk=16, Dv=8, sink="mixed", topk="random", invalid="mixed",
