@@ -130,3 +130,20 @@ def test_padded_heads_never_read_out_of_bounds(H):
                                        t["indices"], t["sm_scale"])
     for name, x in (("dq", dq), ("dkv", dkv), ("d_sink", d_sink)):
         assert torch.isfinite(x).all(), f"{name} has non-finite values: a read past head {H - 1}"
+
+
+def test_query_chunks_match_one_launch():
+    """Several launches (query chunks) give the same dq and dkv bits as one; d_sink sums its per-chunk
+    partials in a fixed order, so it agrees to float32 rounding."""
+    from sparse_mqa_testkit.kernels.backward import sparse_mla_backward
+
+    case = Case(B=2, S=23, Skv=300, H=17, L=70, Dqk=576, Dv=512, sink="finite", topk="random",
+                invalid="holes", seed=5)
+    t = backend_inputs(BACKEND, case)
+    args = (t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"], t["sm_scale"])
+    one = sparse_mla_backward(*args, topk_length=t["topk_length"])
+    many = sparse_mla_backward(*args, topk_length=t["topk_length"], max_query_chunk=5)
+    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+    torch.testing.assert_close(one[2], many[2], rtol=1e-5, atol=1e-6)
+    again = sparse_mla_backward(*args, topk_length=t["topk_length"], max_query_chunk=5)
+    assert all(torch.equal(a, b) for a, b in zip(many, again))

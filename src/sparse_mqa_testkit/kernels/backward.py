@@ -40,16 +40,18 @@ Fixed point and precision
     two-word split (issue 6) would buy 31 more bits at twice the reduction bytes and was not needed by any
     case measured here.
 
-Tiles and what was measured (one H200, anchor shape, ms)
-    topk_block 32 (255 registers, 300 B spilled): 37.4 (bulk) / 43.9 (atomic). topk_block 16 (248 registers,
-    no spill): 34.1 (bulk). Prefetching block kb + 1 with cp.async during block kb (``PREFETCH``; needs the
-    shared-memory merge off): 37.8, slower, so off. cuDNN's non-deterministic backward takes 6.7-6.9 ms here
-    (helper E's same-session run, BENCHMARKS.md): this kernel is about 5x slower. Where the time goes: each
-    block iteration runs five small GEMMs ([64 x 16] scores on n8 wgmma tiles, a 16-row mma for dkv) with a
-    barrier between each, and stages 16 rows of int64 through shared memory; the reduction itself is a minor
-    part (bulk vs atomic above). Closing the gap needs a warp-specialised pipeline (producer gathers, consumer
-    warpgroups on 64-slot tiles) and, beyond that, fewer reduction bytes (one int64 row per query for all
-    heads): not done.
+Tiles and what was measured (one H200, anchor shape B1 S4096 Skv8192 H64 L2048, finite sink; BENCHMARKS.md)
+    topk_block 32 (255 registers, 300 B spilled): 37.4 ms (bulk) / 43.9 ms (atomic). topk_block 16 (248
+    registers, no spill): 34.1-34.3 ms (bulk, the default: 86 TFLOP/s), 41.2 ms (atomic). Prefetching block
+    kb + 1 with cp.async during block kb (``PREFETCH``; needs the shared-memory merge off): 37.8 ms, slower,
+    so off. H128: 67.5 ms; L512: 12.0 ms. cuDNN's non-deterministic backward takes 6.76 / 13.8 / 1.91 ms at
+    these shapes (helper E's run in the same session, not the same process): this kernel is 4.9-6.3x slower,
+    short of the issue's 2x. Where the time goes: each block iteration runs five small GEMMs ([64 x 16]
+    scores on n8 wgmma tiles, a 16-row mma for dkv) separated by barriers and stages 16 int64 rows through
+    shared memory; the reduction is the smaller part (bulk vs atomic above; 38.7 GB of int64 rows at the
+    anchor would take ~11 ms at the 3.4 TB/s the issue measured). Closing the gap needs a warp-specialised
+    pipeline (producer gathers, consumer warpgroups on 64-slot tiles) and then fewer reduction bytes (one
+    int64 row per query for all heads): not done.
 
 Why not (b) buffer + CSR + ordered reduction, or (c) shards: both move the [S, L, Dqk] fp32 contributions
     through memory at least twice (write, then read to reduce); the bulk int64 reduction moves them once, at
