@@ -134,3 +134,34 @@ def test_a_hot_kv_row_does_not_blow_up_memory():
     part = sum(p["dkv"][0, 0] for p in per_row)
     sub = run({**x, "q": x["q"][:, ::8], "indices": idx[:, ::8], "grad_out": x["grad_out"][:, ::8]})["dkv"][0, 0]
     np.testing.assert_allclose(sub, part, rtol=1e-12, atol=1e-12)
+
+
+def test_a_long_kv_cache_is_not_copied_whole():
+    """Few slots into a long cache: only the referenced rows are gathered (no cast or copy of all of kv)."""
+    import tracemalloc
+
+    from sparse_mqa_testkit import oracle
+    from sparse_mqa_testkit.cases import Case
+
+    case = Case(B=1, S=2, Skv=200_000, H=2, L=8, Dqk=16, Dv=8, invalid="holes", seed=5)
+    x = case.inputs()
+    kw = dict(sm_scale=x["sm_scale"], d_v=x["d_v"], dtype=np.float64)
+    dkv_bytes = case.Skv * case.Dqk * 8
+    peaks = {}
+    for name, call in (("forward", lambda: oracle.forward(x["q"], x["kv"], x["indices"], **kw)),
+                       ("backward", lambda: oracle.backward(x["q"], x["kv"], x["indices"], x["grad_out"], **kw))):
+        tracemalloc.start()
+        try:
+            r = call()
+            peaks[name] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    # kv is 6.4 MB of bf16; any copy of it (cast or padded) would show. The backward's dkv is [B, Skv, Dqk].
+    assert peaks["forward"] < x["kv"].nbytes / 4, peaks
+    assert peaks["backward"] < dkv_bytes + x["kv"].nbytes / 4, peaks
+    dkv = r[1]
+    valid = contract.valid_mask(x["indices"], case.Skv, None)
+    used = np.unique(x["indices"][valid])
+    rest = np.ones(case.Skv, bool)
+    rest[used] = False
+    assert not dkv[0, rest].any() and dkv[0, used].any()

@@ -7,8 +7,9 @@ How it stays exact and cheap:
   slot order, of appended invalid slots, of which invalid value a slot holds, and of extra query rows with no
   valid slot: the arithmetic is the same. (Not of the head count: H is a matmul dimension and BLAS picks its
   kernels by size, so padding heads changes results by rounding only.)
-- Invalid slots are never used to address memory: they gather an appended all-zero row, so no value of kv
-  outside the valid rows (a NaN, say) reaches a result, and 2**31-1 is harmless.
+- Invalid slots are never used to address memory: they get exact zeros (an appended zero row, or a zero
+  array the valid rows are copied into), so no value of kv outside the valid rows (a NaN, say) reaches a
+  result, and 2**31-1 is harmless. A long kv cache with few slots is not copied or cast as a whole.
 - Vectorised: one gather of the valid slots' KV rows, batched matmuls over rows (b, i), no Python loop over
   rows or slots. The backward stacks (q_h, [dO_h; 0]) per head to get scores and dP from one matmul, and
   (scale dS_h, P_h) to get each slot's dkv contribution from one matmul; Delta = <dO, out> is taken as
@@ -79,13 +80,19 @@ def _prepare(q, kv, indices, d_v, attn_sink, topk_length, dtype, sm_scale, grad_
     key = key[..., :lc]
     cvalid = key < Skv
     rows = np.where(cvalid, key + (np.arange(B, dtype=np.int64) * Skv)[:, None, None], B * Skv)
-    # gather from kv with one zero row appended (index B*Skv): invalid slots read that row, nothing else.
-    # Cast first when kv is the smaller array, gather first when the slots are fewer than kv's rows.
+    # gather: invalid slots get exact zeros and read nothing. When kv has no more rows than there are slots,
+    # cast it and append one zero row for the invalid slots to take; when kv is the larger (a long cache, few
+    # slots), copy only the valid slots' rows into a zero array, never touching the rest of kv.
     kv_flat = kv.reshape(B * Skv, dims.Dqk)
-    if B * Skv <= rows.size:
-        kv_flat = kv_flat.astype(dtype, copy=False)
-    kv_ext = np.concatenate([kv_flat, np.zeros((1, dims.Dqk), kv_flat.dtype)])
-    k = np.take(kv_ext, rows.reshape(-1), axis=0).astype(dtype, copy=False).reshape(B, S, lc, dims.Dqk)
+    flat = rows.reshape(-1)
+    if B * Skv <= flat.size:
+        kv_c = kv_flat.astype(dtype, copy=False)
+        k = np.take(np.concatenate([kv_c, np.zeros((1, dims.Dqk), dtype)]), flat, axis=0)
+    else:
+        k = np.zeros((flat.size, dims.Dqk), dtype)
+        m = cvalid.reshape(-1)
+        k[m] = kv_flat[flat[m]]
+    k = k.reshape(B, S, lc, dims.Dqk)
     sink = None if attn_sink is None else attn_sink.astype(dtype, copy=False)
     call = _Call(dims=dims, dtype=dtype, valid=cvalid, rows=rows, k=k, q=q, sink=sink,
                  scale=sm_scale)
