@@ -2,7 +2,6 @@
 skip reasons on a CPU-only machine, the report header, and where the example database goes."""
 
 import json
-import textwrap
 
 import pytest
 
