@@ -7,6 +7,14 @@ import pytest
 
 from sparse_mqa_testkit import profiles
 
+# Hypothesis writes its failure patches with libcst, whose native parser can be initialised only once per
+# process: load it before the in-process pytester runs, so their sys.modules restore cannot drop it and break
+# a later test in this process that writes a patch.
+try:
+    import libcst.native  # noqa: F401
+except ImportError:
+    pass
+
 NO_CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks CPU-only behaviour")
 
 # A downstream kernel: the reference backend under another name, plus a broken one (dq doubled for H >= 2).

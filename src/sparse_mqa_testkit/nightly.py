@@ -131,12 +131,15 @@ def suite_patch(row: dict, out: Path) -> Path | None:
             if func is not None:
                 triple = get_patch_for(func, [(f"{func_name}(case={row['failure']['case']})", FAIL_MSG)])
                 if triple is None:
+                    print(f"[nightly] no Hypothesis patch for {row['check']}: it could not locate "
+                          f"{func_name} in {module.__file__}", flush=True)
                     return None
                 slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{row['backend']}-{row['check']}")
                 path = out / f"reproducer-{slug}.patch"
                 path.write_text(make_patch([triple]))
                 return path
-    except Exception:  # a private Hypothesis helper: never let it hide the failure itself
+    except Exception as e:  # a private Hypothesis helper: never let it hide the failure itself
+        print(f"[nightly] no Hypothesis patch for {row['check']}: {type(e).__name__}: {e}", flush=True)
         return None
     return None
 
