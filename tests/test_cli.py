@@ -109,9 +109,7 @@ def test_nightly_pass_appends_to_the_ledger_and_compares_with_the_last_run(tmp_p
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "night"
     out.mkdir()
-    previous = [{"date": "yesterday", "ratios": {"reference": {"tolerance": {"sink finite": {"n": 3,
-                                                                                            "max_ratio": 0.25}}}}}]
-    (out / "ledger.json").write_text(json.dumps(previous))
+    (out / "ledger.json").write_text(json.dumps([{"date": "yesterday", "ratios": {}}]))
     assert run_nightly(["reference"], budget=5, out=out, extra=["--smqa-check", "tolerance"]) == 0
     printed = capfd.readouterr().out
     assert "[nightly] PASS: 1 rounds" in printed and "ledger reference tolerance: worst ratio" in printed
@@ -123,8 +121,9 @@ def test_nightly_pass_appends_to_the_ledger_and_compares_with_the_last_run(tmp_p
     # a creeping ratio is shown next to the last run's
     from sparse_mqa_testkit.nightly import append_ledger
 
-    append_ledger(out / "ledger.json", {"reference": {"tolerance": {"sink finite": {"n": 5, "max_ratio": 0.5}}}})
-    assert "worst ratio 0.500 at 'sink finite' (last run " in capfd.readouterr().out
+    for r in (0.25, 0.5):
+        append_ledger(out / "ledger.json", {"reference": {"tolerance": {"sink finite": {"n": 5, "max_ratio": r}}}})
+    assert "worst ratio 0.500 at 'sink finite' (last run 0.250)" in capfd.readouterr().out
 
 
 def test_progress_lines_name_examples_failures_and_time_left(monkeypatch, capfd):
