@@ -77,6 +77,8 @@ def test_xdist_auto_without_gpus_uses_the_cpu_count(pytester, monkeypatch):
     monkeypatch.setattr(gpu_workers, "cuda_device_count", lambda: 3)
     cfg = pytester.parseconfig("-n", "auto")
     assert plugin.pytest_xdist_auto_num_workers(cfg) == 3
+    monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "5")  # an explicit count wins
+    assert plugin.pytest_xdist_auto_num_workers(cfg) is None
 
 
 @pytest.mark.gpu

@@ -83,6 +83,8 @@ def pytest_configure(config):
 # ---- xdist: one worker per GPU, each pinned ------------------------------------------------------------------
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # the user's explicit count (xdist reads it)
     return gpu_workers.auto_num_workers(_controller_gpus(config))
 
 
