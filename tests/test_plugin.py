@@ -71,6 +71,9 @@ def _keep_profile():
 def downstream(pytester, monkeypatch):
     pytester.makepyfile(mykernels=BACKENDS, test_down=DOWNSTREAM_TEST)
     pytester.syspathinsert()
+    # a downstream repo's own environment: not the profile or database this repo's CI exports
+    monkeypatch.delenv("SMQA_PROFILE", raising=False)
+    monkeypatch.delenv("SMQA_DATABASE", raising=False)
     monkeypatch.setenv("SMQA_MAX_EXAMPLES", "2")
     return pytester
 
