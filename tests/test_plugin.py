@@ -74,6 +74,7 @@ def downstream(pytester, monkeypatch):
     # a downstream repo's own environment: not the profile or database this repo's CI exports
     monkeypatch.delenv("SMQA_PROFILE", raising=False)
     monkeypatch.delenv("SMQA_DATABASE", raising=False)
+    monkeypatch.delenv("SMQA_BACKEND", raising=False)
     monkeypatch.setenv("SMQA_MAX_EXAMPLES", "2")
     return pytester
 
@@ -179,6 +180,7 @@ def test_installed_suite_from_a_downstream_repo(downstream, monkeypatch):
 
 def test_database_never_defaults_into_the_package(tmp_path, monkeypatch):
     monkeypatch.delenv("SMQA_DATABASE", raising=False)
+    monkeypatch.delenv("SMQA_BACKEND", raising=False)
     pkg = profiles._package_dir()
     assert profiles.database_dir(cwd=pkg / "property_tests") is None
     assert profiles.database_dir(cwd=tmp_path) == tmp_path.resolve() / ".hypothesis" / "smqa"
