@@ -1,10 +1,15 @@
 """Our deterministic TileLang backward on a GPU: the conformance checks (tolerance vs the float64 oracle,
 bitwise determinism in a hostile environment, guards, rejection) over the contract's boundaries, plus
-agreement with the NumPy model of the same algorithm and a padded-head out-of-bounds probe."""
+agreement with the NumPy model of the same algorithm and a padded-head out-of-bounds probe.
+
+SMQA_BWD_KW (JSON, e.g. '{"drain": false}') passes keyword arguments to ``sparse_mla_backward`` so that a
+non-default kernel configuration can be put through the same checks before it becomes the default."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -34,10 +39,11 @@ class BackwardOnly(BackendBase):
         from sparse_mqa_testkit.kernels.backward import sparse_mla_backward
 
         return sparse_mla_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
-                                   topk_length=topk_length)
+                                   topk_length=topk_length, **_KW)
 
 
 BACKEND = BackwardOnly()
+_KW = json.loads(os.environ.get("SMQA_BWD_KW", "{}"))
 
 _CASES = []
 for _i, (_dims, _h, _l, _sink, _topk, _invalid, _dup) in enumerate([
@@ -141,9 +147,9 @@ def test_query_chunks_match_one_launch():
                 invalid="holes", seed=5)
     t = backend_inputs(BACKEND, case)
     args = (t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"], t["sm_scale"])
-    one = sparse_mla_backward(*args, topk_length=t["topk_length"])
-    many = sparse_mla_backward(*args, topk_length=t["topk_length"], max_query_chunk=5)
+    one = sparse_mla_backward(*args, topk_length=t["topk_length"], **_KW)
+    many = sparse_mla_backward(*args, topk_length=t["topk_length"], max_query_chunk=5, **_KW)
     assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
     torch.testing.assert_close(one[2], many[2], rtol=1e-5, atol=1e-6)
-    again = sparse_mla_backward(*args, topk_length=t["topk_length"], max_query_chunk=5)
+    again = sparse_mla_backward(*args, topk_length=t["topk_length"], max_query_chunk=5, **_KW)
     assert all(torch.equal(a, b) for a, b in zip(many, again))
