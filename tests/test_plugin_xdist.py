@@ -55,7 +55,8 @@ def test_xdist_auto_starts_one_worker_per_gpu_each_pinned(pytester, monkeypatch)
             path = pathlib.Path(os.environ["PIN_OUT"]) / f"{worker_id}-{i}.json"
             path.write_text(json.dumps([worker_id, os.environ.get("CUDA_VISIBLE_DEVICES"), cuda_started]))
     ''')
-    r = pytester.runpytest_inprocess("-n", "auto", "-p", "no:cacheprovider")
+    # -p: the plugin also where the package is on PYTHONPATH but not installed (no pytest11 entry point)
+    r = pytester.runpytest_inprocess("-n", "auto", "-p", "no:cacheprovider", "-p", "sparse_mqa_testkit.plugin")
     r.assert_outcomes(passed=8)
     r.stdout.fnmatch_lines(["*2 workers*", "*xdist workers and their GPUs*",
                             "gw0: CUDA_VISIBLE_DEVICES=3 -> CUDA not used by its tests",
@@ -69,6 +70,9 @@ def test_xdist_auto_starts_one_worker_per_gpu_each_pinned(pytester, monkeypatch)
 
 
 def test_xdist_auto_without_gpus_uses_the_cpu_count(pytester, monkeypatch):
+    # run inside a pinned GPU worker, this process sees CUDA_VISIBLE_DEVICES=<its GPU>: not this test's setup
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
     monkeypatch.setattr(gpu_workers, "cuda_device_count", lambda: 0)
     cfg = pytester.parseconfig("-n", "auto")
     from sparse_mqa_testkit import plugin
