@@ -81,7 +81,9 @@ def pytest_configure(config):
 
 
 # ---- xdist: one worker per GPU, each pinned ------------------------------------------------------------------
-@pytest.hookimpl(optionalhook=True)
+# tryfirst: xdist's own implementation (the CPU count) is a plain firstresult hook, so which one answers would
+# otherwise depend on the order the two plugins happened to be registered in
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_auto_num_workers(config):
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # the user's explicit count (xdist reads it)
