@@ -120,8 +120,6 @@ def _dv_gt_dqk(valid: dict) -> dict:
 
 def _other_device(arg: str):
     def make(valid):
-        import torch
-
         x = valid[arg]
         return x.to("cpu") if x.device.type == "cuda" else x.to("cuda")
 

@@ -45,12 +45,12 @@ Tiles and what was measured (one H200, anchor shape B1 S4096 Skv8192 H64 L2048, 
     registers, no spill): 34.1-34.3 ms (bulk, the default: 86 TFLOP/s), 41.2 ms (atomic). Prefetching block
     kb + 1 with cp.async during block kb (``PREFETCH``; needs the shared-memory merge off): 37.8 ms, slower,
     so off. H128: 67.5 ms; L512: 12.0 ms. cuDNN's non-deterministic backward takes 6.76 / 13.8 / 1.91 ms at
-    these shapes (helper E's run in the same session, not the same process): this kernel is 4.9-6.3x slower,
+    these shapes (the `sparse-mqa-bench` run of 2026-11-30, not the same process): this kernel is 4.9-6.3x slower,
     short of the issue's 2x. Where the time goes: each block iteration runs five small GEMMs ([64 x 16]
     scores on n8 wgmma tiles, a 16-row mma for dkv) separated by barriers and stages 16 int64 rows through
-    shared memory (helper D's reading; the measurements below correct it).
+    shared memory (the first reading; the measurements below correct it).
 
-Other configurations and where the time goes (helper D2, three H200 runs, BENCHMARKS.md)
+Other configurations and where the time goes (three H200 runs, BENCHMARKS.md)
     Selectable, all bitwise stable and bit-identical to the default on the H200 (same dq, dkv, d_sink bits at
     every shape measured); fused, fused + drain=False, warp_stage and 2 x 5 staging each passed
     tests/gpu/test_backward_gpu.py (24 tests, via SMQA_BWD_KW):

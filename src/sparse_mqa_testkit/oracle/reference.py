@@ -71,7 +71,7 @@ def _prepare(q, kv, indices, d_v, attn_sink, topk_length, dtype, sm_scale, grad_
                                                                       grad_out))
     dims = contract.validate_shapes(q, kv, indices, d_v=d_v, attn_sink=attn_sink, topk_length=topk_length,
                                     grad_out=grad_out)
-    B, S, Skv, L = dims.B, dims.S, dims.Skv, dims.L
+    B, S, Skv = dims.B, dims.S, dims.Skv
     valid = contract.valid_mask(indices, Skv, topk_length)  # [B, S, L]
     # canonical slots: sort each row's KV indices, invalid ones (key Skv) last; cut to the longest valid run
     key = np.where(valid, indices, Skv).astype(np.int64)
