@@ -14,14 +14,6 @@ from sparse_mqa_testkit.paddle import frontend as F
 from sparse_mqa_testkit.torch_io import case_tensors
 
 
-@pytest.fixture(scope="module")
-def paddle():
-    try:
-        return F.import_paddle()
-    except ImportError:
-        pytest.skip("needs paddlepaddle (pip install '.[paddle]')")
-
-
 @pytest.fixture
 def entry(paddle, monkeypatch):
     """The paddle entry point with the reference backend behind both names of the switch."""

@@ -13,14 +13,6 @@ from sparse_mqa_testkit.paddle import frontend as F
 from sparse_mqa_testkit.torch_io import case_tensors
 
 
-@pytest.fixture(scope="module")
-def paddle():
-    try:
-        return F.import_paddle()
-    except ImportError:
-        pytest.skip("needs paddlepaddle (pip install '.[paddle]')")
-
-
 CASES = [
     Case(seed=0),
     Case(sink="finite", topk="random", invalid="holes", seed=1),

@@ -15,14 +15,6 @@ from sparse_mqa_testkit.paddle import frontend as F
 from sparse_mqa_testkit.torch_io import case_tensors as torch_case_tensors
 
 
-@pytest.fixture(scope="module")
-def paddle():
-    try:
-        return F.import_paddle()
-    except ImportError:
-        pytest.skip("needs paddlepaddle (pip install '.[paddle]')")
-
-
 # bit patterns that must survive: signed zeros, subnormals, extremes, inf and NaN
 _SPECIAL = np.array([0.0, -0.0, 1.0, -2.5, 1e-40, -1e-42, 3.0e38, -3.0e38, np.inf, -np.inf, np.nan], np.float32)
 
