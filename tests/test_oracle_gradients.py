@@ -10,10 +10,9 @@ rows). Only finite sinks are perturbed; +-inf sinks stay where they are.
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 
-from oracle_support import kwargs, small_cases
-from sparse_mqa_testkit.cases import Case
+from oracle_support import every_feature, kwargs, small_cases
 from sparse_mqa_testkit import oracle
 
 # Relative step: float64 rounding error in phi is ~1e-16 |phi| / eps ~ 1e-10 relative, the central-difference
@@ -51,13 +50,7 @@ def _check(name, fd_noise, grad, v):
 
 @settings(max_examples=250, deadline=None)
 @given(case=small_cases())
-# every feature at least once per run, whatever Hypothesis draws
-@example(case=Case(B=2, S=5, Skv=7, H=3, L=9, Dqk=16, Dv=8, sink="mixed", topk="random", invalid="mixed",
-                   duplicates=True, seed=10))
-@example(case=Case(B=2, S=6, Skv=9, H=4, L=6, Dqk=24, Dv=16, sink="finite", topk="random", invalid="empty_rows",
-                   duplicates=True, seed=2))
-@example(case=Case(B=1, S=4, Skv=5, H=2, L=8, Dqk=5, Dv=3, sink="pos_inf", invalid="out_of_range",
-                   duplicates=True, sm_scale=0.5, seed=2))
+@every_feature
 def test_backward_matches_central_differences(case):
     x = case.inputs()
     q = x["q"].astype(np.float64)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 
-from oracle_support import run, small_cases
-from sparse_mqa_testkit.cases import Case
+from oracle_support import every_feature, run, small_cases
 
 torch = pytest.importorskip("torch", reason="the cross-check needs torch (CPU is enough)")
 
@@ -61,13 +60,7 @@ def dense_reference(x: dict):
 
 @settings(max_examples=250, deadline=None)
 @given(case=small_cases())
-# every feature at least once per run, whatever Hypothesis draws
-@example(case=Case(B=2, S=5, Skv=7, H=3, L=9, Dqk=16, Dv=8, sink="mixed", topk="random", invalid="mixed",
-                   duplicates=True, seed=10))
-@example(case=Case(B=2, S=6, Skv=9, H=4, L=6, Dqk=24, Dv=16, sink="finite", topk="random", invalid="empty_rows",
-                   duplicates=True, seed=2))
-@example(case=Case(B=1, S=4, Skv=5, H=2, L=8, Dqk=5, Dv=3, sink="pos_inf", invalid="out_of_range",
-                   duplicates=True, sm_scale=0.5, seed=2))
+@every_feature
 def test_oracle_matches_dense_torch_autograd(case):
     x = case.inputs()
     got, want = run(x), dense_reference(x)
