@@ -9,6 +9,7 @@ from sparse_mqa_testkit import contract
 from sparse_mqa_testkit.backends import get_backend
 from sparse_mqa_testkit.backends.base import BackendBase
 from sparse_mqa_testkit.cases import Case
+from sparse_mqa_testkit.checks.inputs import has_forward
 from sparse_mqa_testkit.paddle import frontend as F
 from sparse_mqa_testkit.torch_io import case_tensors
 
@@ -163,4 +164,4 @@ def test_through_paddle_rejects_through_the_paddle_validation(paddle):
 
 def test_through_paddle_is_loadable_by_spec(paddle):
     b = get_backend("sparse_mqa_testkit.paddle.backend:reference_through_paddle")
-    assert b.name == "through-paddle[reference]" and b.deterministic and b.has_forward
+    assert b.name == "through-paddle[reference]" and b.deterministic and has_forward(b)

@@ -23,7 +23,11 @@ def to_torch(a, device="cpu", dtype=None):
     return t.to(device)
 
 
+def input_tensors(x: dict, device="cpu") -> dict:
+    """An inputs dict (``Case.inputs()``'s keys) as torch tensors on ``device``; sm_scale and d_v stay numbers."""
+    return {k: (v if k in ("sm_scale", "d_v") else to_torch(v, device)) for k, v in x.items()}
+
+
 def case_tensors(case, device="cpu") -> dict:
     """``case.inputs()`` as torch tensors with kernel dtypes on ``device`` (sm_scale and d_v stay numbers)."""
-    x = case.inputs()
-    return {k: (v if k in ("sm_scale", "d_v") else to_torch(v, device)) for k, v in x.items()}
+    return input_tensors(case.inputs(), device)

@@ -17,7 +17,7 @@ pytest.importorskip("tilelang")
 from sparse_mqa_testkit import contract, oracle  # noqa: E402
 from sparse_mqa_testkit.cases import Case  # noqa: E402
 from sparse_mqa_testkit.oracle.bf16 import round_bf16  # noqa: E402
-from sparse_mqa_testkit.torch_io import to_torch  # noqa: E402
+from sparse_mqa_testkit.torch_io import input_tensors  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -30,7 +30,7 @@ LSE_ABS = 5e-5  # times (1 + |lse|)
 def _forward(x: dict):
     from sparse_mqa_testkit.kernels.forward import sparse_mla_forward
 
-    t = {k: (v if k in ("sm_scale", "d_v") else to_torch(v, "cuda")) for k, v in x.items()}
+    t = input_tensors(x, "cuda")
     out, lse = sparse_mla_forward(t["q"], t["kv"], t["indices"], x["sm_scale"], x["d_v"],
                                   attn_sink=t["attn_sink"], topk_length=t["topk_length"])
     torch.cuda.synchronize()
@@ -222,7 +222,7 @@ def test_bad_arguments_raise_before_gpu_work():
     from sparse_mqa_testkit.kernels.forward import sparse_mla_forward
 
     x = Case(B=1, S=2, Skv=16, H=2, L=8, Dqk=576, Dv=512).inputs()
-    t = {k: (v if k in ("sm_scale", "d_v") else to_torch(v, "cuda")) for k, v in x.items()}
+    t = input_tensors(x, "cuda")
     with pytest.raises(ValueError, match="q must be bfloat16"):
         sparse_mla_forward(t["q"].half(), t["kv"], t["indices"], 0.1, 512)
     with pytest.raises(ValueError, match="indices must be int32"):

@@ -50,9 +50,5 @@ class BackendBase:
             return f"(Dqk, Dv) = ({case.Dqk}, {case.Dv}) not in {tuple(map(tuple, self.dims))}"
         return None
 
-    @property
-    def has_forward(self) -> bool:
-        return callable(getattr(self, "forward", None))
-
     def __repr__(self) -> str:
         return f"<backend {self.name} on {self.device}{' deterministic' if self.deterministic else ''}>"

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import oracle
 from ..oracle.bf16 import round_bf16
-from ..torch_io import to_torch
+from ..torch_io import case_tensors, to_torch
 
 BACKWARD_OUTPUTS = ("dq", "dkv", "d_sink")
 FORWARD_OUTPUTS = ("out", "lse")
@@ -51,8 +51,7 @@ def backend_inputs(backend, case, *, use_backend_forward: bool = False) -> dict:
     import torch
 
     dev = getattr(backend, "device", "cpu")
-    x = case.inputs()
-    t = {k: (v if k in ("sm_scale", "d_v") else to_torch(v, dev)) for k, v in x.items()}
+    t = case_tensors(case, dev)
     if use_backend_forward:
         out, lse = call_forward(backend, t)
     else:
