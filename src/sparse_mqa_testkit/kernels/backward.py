@@ -725,9 +725,7 @@ def sparse_mla_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
     import torch
 
     dims = check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length,
-                               supported_dims=contract.KERNEL_DIMS)
-    if q.device.type != "cuda":
-        raise ValueError(f"q must be on a CUDA device, got {q.device}")
+                               supported_dims=contract.KERNEL_DIMS, device_type="cuda")
     sm_scale = float(sm_scale)
     plan = bwd_plan.make_plan(dims.B, dims.S, dims.Skv, dims.H, dims.L, dims.Dqk, dims.Dv,
                               max_query_chunk=max_query_chunk, topk_block=topk_block)

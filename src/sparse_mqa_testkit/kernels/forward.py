@@ -300,9 +300,7 @@ def sparse_mla_forward(q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_le
     import torch
 
     dims = check_forward_args(q, kv, indices, sm_scale, d_v, attn_sink=attn_sink, topk_length=topk_length,
-                              supported_dims=contract.KERNEL_DIMS)
-    if q.device.type != "cuda":
-        raise ValueError(f"q must be on a CUDA device, got {q.device}")
+                              supported_dims=contract.KERNEL_DIMS, device_type="cuda")
     plan = fwd_plan.plan_forward(dims, has_sink=attn_sink is not None, has_topk_length=topk_length is not None)
     kernel = compiled(plan.key)
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
