@@ -76,18 +76,11 @@ def precision() -> int:
     return 0
 
 
-# kernel configurations timed against each other by --compare (the first is the reference for agreement).
-# "_ablate" rows leave out part of the work and give wrong results: they show where the time goes.
+# kernel configurations timed against each other by --compare (the first is the reference for agreement)
 CONFIGS = (
-    dict(fused=False),  # the default: five products per top-k block, block-wide staging
-    dict(fused=True, drain=False),  # two wide products; last bulk reduction overlaps the next block
-    dict(fused=True, warp_stage=True),  # per-warp staging, warp barriers only
-    dict(fused=True, drain=False, stage_rows=2, stage_bufs=5),  # deeper staging ring, more rounds
-    dict(fused=True, drain=False, _ablate="noreduce"),
-    dict(fused=True, warp_stage=True, _ablate="noreduce"),
-    dict(fused=True, drain=False, _ablate="nogather"),
-    dict(fused=True, drain=False, _ablate="nodkv"),
-    dict(fused=True, drain=False, _ablate="nogather,nodkv"),
+    dict(),  # the default: warp-specialised body, 8 staging rows x 1 buffer per consumer
+    dict(stage_rows=4, stage_bufs=2),  # more, smaller staging rounds
+    dict(ws=False),  # single-role body: every thread does every step in turn
 )
 
 

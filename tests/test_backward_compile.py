@@ -48,34 +48,49 @@ def _shared_ranges(src: str) -> dict:
 
 
 ANCHOR = bwd_plan.make_plan(1, 4096, 8192, 64, 2048, 576, 512).variant
+SMALL_GROUP = bwd_plan.make_plan(1, 64, 128, 16, 64, 576, 512).variant
 
 
-@pytest.mark.parametrize("config", [dict(fused=True, drain=False), dict(fused=True, warp_stage=True)],
-                         ids=["fused-undrained", "warp-stage"])
-def test_other_configurations_reduce_integers_only(config):
-    """The selectable kernel configurations (BENCHMARKS.md) keep the integer-only dkv path."""
-    src = backward.kernel_source(ANCHOR, **config)
+@pytest.mark.parametrize("variant, config", [(ANCHOR, dict(ws=False)), (SMALL_GROUP, {})],
+                         ids=["single-role-64-heads", "single-role-16-heads"])
+def test_single_role_body_reduces_integers_only(variant, config):
+    """The single-role body (16/32-head groups, and ws=False) keeps the integer-only dkv path too."""
+    assert not backward.uses_ws(variant, **config)
+    src = backward.kernel_source(variant, **config)
     for bad in FLOAT_ATOMICS:
         assert bad not in src, f"{config}: floating-point atomic or reduction {bad!r} in the generated CUDA"
     assert re.search(r"smqa_bulk_add_u64\(.*?\(&\(Acc\[", src), config
 
 
-def test_undrained_staging_shares_no_memory():
-    """With ``drain=False`` the last bulk reduction of a top-k block still reads its staging buffer while the
-    next block runs, which is safe only if no other tile lives in that memory: the staging must come after
-    every other buffer of the dynamic shared memory, at an offset of its own."""
-    offsets = _shared_ranges(backward.kernel_source(ANCHOR, fused=True, drain=False))
-    assert "stage" in offsets, sorted(offsets)
-    others = {k: v for k, v in offsets.items() if k != "stage"}
-    assert others and max(others.values()) < offsets["stage"], offsets
-    assert len(set(offsets.values())) == len(offsets), f"buffers share an offset: {offsets}"
+def test_warp_specialised_roles_are_separate(source):
+    """The 64-head body: three roles with their own register budgets (setmaxnreg.inc draws only on what
+    setmaxnreg.dec released in the block: a budget over the launch's 168 per thread would hang), their own
+    named barriers (one id shared by two roles would let one role's threads complete another's barrier), and
+    no two shared-memory buffers at one address (the allocator cannot see that the roles run concurrently)."""
+    from sparse_mqa_testkit.kernels import backward_ws
+
+    assert backward.uses_ws(ANCHOR)
+    marks = [re.search(rf"warpgroup_reg_alloc<{backward_ws.NREG[0]}>", source),
+             re.search(rf"warpgroup_reg_alloc<{backward_ws.NREG[1]}>", source),
+             re.search(rf"warpgroup_reg_dealloc<{backward_ws.NREG[2]}>", source)]
+    assert all(marks), "expected one register budget per role"
+    assert "__launch_bounds__(384, 1)" in source and sum(backward_ws.NREG) == 3 * 168
+    starts = [m.start() for m in marks] + [len(source)]
+    ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", source[a:b])) for a, b in zip(starts, starts[1:])]
+    assert all(ids[:2]), "each consumer synchronises its own threads"
+    for i in range(3):
+        for j in range(i + 1, 3):
+            assert not ids[i] & ids[j], f"roles {i} and {j} share named barriers {ids[i] & ids[j]}"
+    offsets = _shared_ranges(source)
+    assert len(offsets) >= 8 and len(set(offsets.values())) == len(offsets), offsets
 
 
-def test_warp_stage_waits_only_on_its_own_warp():
-    """``warp_stage``: each warp stages the dkv columns its own mma fragment holds (the ownership test in the
-    kernel must fold away: TileLang proved it from the layout) and the staging uses warp barriers only."""
-    src = backward.kernel_source(ANCHOR, fused=True, warp_stage=True)
-    staging = src[src.index("smqa_bulk_wait_read0();", src.index("for (int kb")):src.rindex("smqa_bulk_commit();")]
-    assert "__syncwarp()" in staging
-    assert "__syncthreads()" not in staging, "block-wide barrier inside the per-warp staging"
-    assert ">> 5) ==" not in staging, "warp ownership of a dkv column was not proven at compile time"
+def test_staging_configuration_is_validated():
+    with pytest.raises(ValueError, match="stage_rows must divide topk_block"):
+        backward.build_program(ANCHOR, stage_rows=3)
+    with pytest.raises(ValueError, match="stage_bufs must be 2"):
+        backward.build_program(SMALL_GROUP, stage_bufs=1)
+    with pytest.raises(ValueError, match="threads does not apply"):
+        backward.build_program(ANCHOR, threads=256)
+    assert backward.staging(ANCHOR) == backward.STAGING["ws"]
+    assert backward.staging(SMALL_GROUP) == backward.STAGING["single"]

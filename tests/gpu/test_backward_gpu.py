@@ -2,7 +2,7 @@
 bitwise determinism in a hostile environment, guards, rejection) over the contract's boundaries, plus
 agreement with the NumPy model of the same algorithm and a padded-head out-of-bounds probe.
 
-SMQA_BWD_KW (JSON, e.g. '{"drain": false}') passes keyword arguments to ``sparse_mla_backward`` so that a
+SMQA_BWD_KW (JSON, e.g. '{"ws": false}') passes keyword arguments to ``sparse_mla_backward`` so that a
 non-default kernel configuration can be put through the same checks before it becomes the default."""
 
 from __future__ import annotations
@@ -117,10 +117,10 @@ def test_production_sized_determinism_and_model_agreement():
         assert rel < 4e-3, f"{name}: kernel vs model relative L2 {rel:.3e}"
 
 
-@pytest.mark.parametrize("H", [1, 8, 15])
+@pytest.mark.parametrize("H", [1, 8, 15, 33])
 def test_padded_heads_never_read_out_of_bounds(H):
-    """q, dO, lse, out of H < 16 heads sit directly before NaN guard memory: a read past head H - 1 would
-    put NaN into the results."""
+    """q, dO, lse, out of H heads (padded to a head group: 16, or 64 for the warp-specialised body) sit
+    directly before NaN guard memory: a read past head H - 1 would put NaN into the results."""
     case = Case(B=1, S=4, Skv=64, H=H, L=40, Dqk=576, Dv=512, sink="finite", seed=H)
     t = backend_inputs(BACKEND, case)
 
@@ -153,3 +153,18 @@ def test_query_chunks_match_one_launch():
     torch.testing.assert_close(one[2], many[2], rtol=1e-5, atol=1e-6)
     again = sparse_mla_backward(*args, topk_length=t["topk_length"], max_query_chunk=5, **_KW)
     assert all(torch.equal(a, b) for a, b in zip(many, again))
+
+
+@pytest.mark.parametrize("case", [_CASES[i] for i in (6, 7, 10)], ids=[_IDS[i] for i in (6, 7, 10)])
+def test_both_kernel_bodies_give_the_same_bits(case):
+    """64-head groups: the warp-specialised body and the single-role body run the same products in the same
+    order and sum dkv exactly, so dq, dkv and d_sink agree bit for bit (also with more staging rounds)."""
+    from sparse_mqa_testkit.kernels.backward import sparse_mla_backward
+
+    t = backend_inputs(BACKEND, case)
+    args = (t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"], t["sm_scale"])
+    ref = sparse_mla_backward(*args, topk_length=t["topk_length"], ws=False)
+    for kw in (dict(), dict(stage_rows=4, stage_bufs=2)):
+        got = sparse_mla_backward(*args, topk_length=t["topk_length"], **kw)
+        for name, a, b in zip(("dq", "dkv", "d_sink"), got, ref):
+            assert (a is None and b is None) or torch.equal(a, b), f"{name} differs from ws=False with {kw}"

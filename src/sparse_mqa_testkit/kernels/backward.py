@@ -4,10 +4,17 @@ Algorithm
     One thread block serves one query row and one head group (``bwd_plan``: 16, 32 or 64 heads; padded heads
     load q = dO = Delta = 0 and lse = +inf, so P = dS = 0 there, and no row h >= H is read or written). It
     walks the row's valid top-k prefix ``min(L, topk_length)`` ``topk_block`` slots at a time: gathers the
-    valid KV rows (an invalid slot's index is never used as an address; its tile row is zero), recomputes
-    P = exp2(s sm_scale log2e - lse2) with the sink folded into lse2, dP = dO V^T, dS = P (dP - Delta) sm_scale,
-    and runs dq += dS K and dkv_blk = dS^T Q + P^T [dO; 0] on tensor cores (bf16 operands, fp32 accumulators,
-    a fixed instruction order).
+    valid KV rows (an invalid slot's index is never used as an address), recomputes
+    P = exp2(s sm_scale log2e - lse2) with the sink folded into lse2 (P = 0 on invalid slots), dP = dO V^T,
+    dS = P (dP - Delta) sm_scale, and runs dq += dS K and dkv_blk = dS^T Q + P^T [dO; 0] on tensor cores (bf16
+    operands, fp32 accumulators, a fixed instruction order).
+
+Two kernel bodies, one algorithm and the same bits
+    64-head groups (H > 32, the production case) run ``backward_ws``: warp-specialised, a producer warpgroup
+    gathers KV rows with cp.async into a two-stage ring while two consumer warpgroups split the products
+    (scores | dP, then half of dq and of dkv each) and each rounds and sends its own dkv columns from its own
+    staging ring. 16- and 32-head groups run the single-role body below (every thread does every step in
+    turn). On the H200 both bodies, and every staging configuration, give the same dq, dkv and d_sink bits.
 
 Determinism by construction
     dq has one writer per element (its block, in a fixed loop order). dkv rows get contributions from every
@@ -19,14 +26,13 @@ Determinism by construction
     summed per query chunk, then over chunks in order. No floating-point atomic is issued anywhere
     (tests/test_backward_compile.py reads the generated CUDA).
 
-How the int64 sums reach memory (``REDUCE``)
-    "bulk" (default): a block's [topk_block, Dqk] int64 contributions are staged in shared memory
-    ``STAGE_ROWS`` rows at a time (two buffers) and each valid KV row goes out as ONE
-    ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64`` of Dqk * 8 bytes (two's complement, so
-    u64 addition is signed addition); a small inline-PTX prelude supplies it (TileLang 0.1.15 has only the
-    .f32 flavour). "atomic": one int64 atomicAdd per element from registers. On one H200 at the anchor shape
-    (B1 S4096 Skv8192 H64 L2048, finite sink; BENCHMARKS.md) "bulk" is 34.1 ms against 41.2 ms for "atomic"
-    (topk_block 16), and 37.4 against 43.9 ms at topk_block 32; all configurations give the same bits.
+How the int64 sums reach memory
+    Contributions are staged in shared memory as int64, ``stage_rows`` KV rows per round, and each valid row
+    goes out as one ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64`` (two's complement, so u64
+    addition is signed addition) issued by the TMA engine; a small inline-PTX prelude supplies it (TileLang
+    0.1.15 has only the .f32 flavour). A staging buffer is rewritten only after the bulk group that last read
+    it has finished reading (``cp.async.bulk.wait_group.read``). The single-role body also has
+    ``reduce="atomic"`` (one int64 atomicAdd per element), slower.
 
 Fixed point and precision
     F comes from a cheap bound G on any partial sum of dkv (``model.dkv_bound``: per query and head
@@ -35,46 +41,23 @@ Fixed point and precision
     term loses at most 2**-61 G: a row 2**30 below G summing 1024 terms keeps 2**-21 relative accuracy, one
     2**40 below keeps 2**-11, still under its own bf16 output rounding (2**-9). tests/test_tilelang_model.py
     measures the int64 sum against float32 accumulation of the same terms spanning 2**0, 2**20 and 2**40:
-    never worse. The bound is loose by the ratio of
-    all queries to the queries that name a row (S L / Skv at most), which costs bits, not correctness; a
-    two-word split (issue 6) would buy 31 more bits at twice the reduction bytes and was not needed by any
-    case measured here.
+    never worse. The bound is loose by the ratio of all queries to the queries that name a row (S L / Skv at
+    most), which costs bits, not correctness; a two-word split (issue 6) would buy 31 more bits at twice the
+    reduction bytes and was not needed by any case measured here.
 
-Tiles and what was measured (one H200, anchor shape B1 S4096 Skv8192 H64 L2048, finite sink; BENCHMARKS.md)
-    topk_block 32 (255 registers, 300 B spilled): 37.4 ms (bulk) / 43.9 ms (atomic). topk_block 16 (248
-    registers, no spill): 34.1-34.3 ms (bulk, the default: 86 TFLOP/s), 41.2 ms (atomic). Prefetching block
-    kb + 1 with cp.async during block kb (``PREFETCH``; needs the shared-memory merge off): 37.8 ms, slower,
-    so off. H128: 67.5 ms; L512: 12.0 ms. cuDNN's non-deterministic backward takes 6.76 / 13.8 / 1.91 ms at
-    these shapes (the `sparse-mqa-bench` run of 2026-11-30, not the same process): this kernel is 4.9-6.3x slower,
-    short of the issue's 2x. Where the time goes: each block iteration runs five small GEMMs ([64 x 16]
-    scores on n8 wgmma tiles, a 16-row mma for dkv) separated by barriers and stages 16 int64 rows through
-    shared memory (the first reading; the measurements below correct it).
-
-Other configurations and where the time goes (three H200 runs, BENCHMARKS.md)
-    Selectable, all bitwise stable and bit-identical to the default on the H200 (same dq, dkv, d_sink bits at
-    every shape measured); fused, fused + drain=False, warp_stage and 2 x 5 staging each passed
-    tests/gpu/test_backward_gpu.py (24 tests, via SMQA_BWD_KW):
-    ``fused=True``: scores and dP as ONE [2 HG x BI] product ([Q; dO] stacked in shared memory, each
-    warpgroup one m64n16 wgmma half instead of both products split into n8 tiles), dkv as ONE K = 2 HG product
-    [dS; P]^T [Q; dO]; ``drain=False`` lets block kb's last bulk group overlap block kb + 1 (the staging is
-    the last buffer of shared memory, checked in tests/test_backward_compile.py); ``warp_stage=True``: each
-    warp stages only the dkv columns its own mma fragment holds and its lanes send them (512 B + 64 B bulk
-    ops per row), warp barriers only, no block barrier in the reduction; ``stage_rows`` x ``stage_bufs``: a
-    deeper staging ring. Anchor / L512 / H128 in ms: default 34.1-34.4 / 12.0-12.1 / 66.8-68.7; fused
-    34.6-34.9 / 12.4-12.5 / 69.0-69.3; fused, drain=False 33.9-34.2 / 12.2-12.4 / 66.3-68.0; warp_stage
-    34.1 / 12.4 / 66.8; 2 rows x 5 buffers 41.2 (more rounds, slower); fused with int64 atomics 43.3.
-    None is faster beyond run-to-run noise, so the default stays.
-    Ablations (``_ablate``, wrong results, timing only; fused, anchor): no bulk issue 29.7 ms (per-warp
-    staging: 24.9); no dkv at all (products, staging, reduction) 18.5; no gather 27.6; neither gather nor
-    dkv 13.8. So the five-vs-two products make no difference, the block-wide staging rounds cost ~5 ms
-    (29.7 vs 24.9) and the reduction itself ~9 ms on top (34.1 vs 24.9): everything converges to ~34 ms as
-    soon as the bulk reductions run: the kernel waits on its own 74 KB of int64 rows per top-k block (38.7 GB
-    at the anchor moves at ~1.1 TB/s, a third of the issue's microbenchmark). Our reading, not measured
-    directly: 37 KB of staging lets only half a block's rows be in flight while the next block computes, so
-    the other half is waited for. Next steps: staging for a whole block (74 KB: free shared memory, e.g. Q's
-    rope tail or the score tile out of shared memory, or split heads over a 2-CTA cluster), then fewer bytes
-    (one int64 row per query for all heads, merging queries that share rows), then the gather (~6.5 ms: a
-    producer warp with cp.async, as the forward).
+What was measured (one H200; anchor B1 S4096 Skv8192 H64 L2048 576/512, finite sink; BENCHMARKS.md)
+    Warp-specialised body, 8 staging rows x 1 buffer per consumer (the default): 23.2 ms at the anchor,
+    8.96 ms at L512, 45.0 ms at H128; 4 rows x 2 buffers 26.4 / 9.77 / 51.3; 4 x 1 26.8 / 9.86 / 52.1;
+    2 x 3 35.4 / 12.0 / 68.9. The single-role body at 64 heads: 34.2 / 12.0 / 67.3. Fewer, larger staging
+    rounds win: each round costs two consumer barriers and a wait for the TMA engine to read the previous
+    round, and 47 KB of shared memory is all that is left for staging beside q, dO and the KV ring, so a whole
+    top-k block (74 KB of int64) cannot be staged at once. The int64 reduction still bounds the kernel: 38.7 GB
+    at the anchor move at ~1.7 TB/s, half of what a bare bulk-reduction microbenchmark reaches.
+    Single-role body, earlier measurements (all the same bits): topk_block 16 beats 32 (no spill), bulk beats
+    atomic (34.1 vs 41.2 ms), prefetching the next block with cp.async, two wide products instead of five,
+    per-warp staging and deeper staging rings were each no faster; ablations showed the gather (~6.5 ms) and
+    the staged reduction (~15 ms with its products) serialised with the products, which the warp-specialised
+    body now overlaps.
 
 Why not (b) buffer + CSR + ordered reduction, or (c) shards: both move the [S, L, Dqk] fp32 contributions
     through memory at least twice (write, then read to reduce); the bulk int64 reduction moves them once, at
@@ -91,24 +74,19 @@ from . import bwd_plan
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
-# How dkv contributions reach the int64 accumulator:
+# How the single-role body's dkv contributions reach the int64 accumulator:
 #   "bulk":   rows staged in shared memory as int64, one cp.reduce.async.bulk .add.u64 per KV row (TMA engine)
 #   "atomic": one int64 atomicAdd per element, straight from registers (the first, simpler version)
 REDUCE_MODES = ("bulk", "atomic")
 REDUCE = "bulk"
-THREADS = {64: 256, 32: 128, 16: 128}  # per head group
-PREFETCH = False  # gather top-k block kb + 1 with cp.async while block kb computes
-# One [2 HG x BI] product gives scores and dP together (Q and dO stacked in one shared tile, each warpgroup
-# owns one half) and one K = 2 HG product gives dkv = [dS; P]^T [Q; dO]: fewer, wider tensor-core products.
-# Measured no faster than the five products (the reduction bounds the kernel), so off by default.
-FUSED = False
-# Wait for the last bulk group's shared-memory reads at the end of every top-k block. Needed only when the
-# staging shares memory with other tiles; without it, block kb's last reduction overlaps block kb + 1's gather
-# (the round structure already orders every reuse of a staging buffer). FUSED only.
-DRAIN = True
-STAGE_ROWS = 4  # KV rows per bulk round; two rounds in flight (double-buffered int64 staging)
+THREADS = {64: 256, 32: 128, 16: 128}  # single-role body, per head group
+# 64-head groups run the warp-specialised body (``backward_ws``); ws=False runs the single-role body there too
+WS = True
+# (rows per staging round, staging buffers) by body: the single-role body's two buffers are shared by the
+# block; the warp-specialised body's are per consumer (module docstring: fewer, larger rounds win)
+STAGING = {"single": (4, 2), "ws": (8, 1)}
 
-# Inline PTX the bulk mode needs (TileLang 0.1.15 has only the .f32 flavour of the bulk reduction).
+# Inline PTX for the bulk reduction (TileLang 0.1.15 has only the .f32 flavour of the bulk reduction).
 _PRELUDE = r"""
 __device__ __forceinline__ void smqa_bulk_add_u64(void const* smem, void* gmem, int bytes) {
   unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
@@ -125,58 +103,54 @@ __device__ __forceinline__ void smqa_bulk_wait_read0() {
 __device__ __forceinline__ void smqa_bulk_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
-"""
-
-
-# wait until at most N bulk groups still read their staging (N = staging buffers - 1)
-_PRELUDE_N = r"""
-template <int N> __device__ __forceinline__ void smqa_bulk_commit_wait_read_n() {
+__device__ __forceinline__ void smqa_bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// wait until at most N bulk groups still read their staging (N = staging buffers - 1)
+template <int N> __device__ __forceinline__ void smqa_bulk_wait_read_n() {
   asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
 }
 """
 
-_PRELUDE_COMMIT = r"""
-__device__ __forceinline__ void smqa_bulk_commit() {
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-"""
 
-ABLATIONS = ("noreduce", "nodkv", "nogather")  # timing attribution only: the results are wrong
+def uses_ws(variant: tuple, ws: bool = WS, reduce: str = REDUCE) -> bool:
+    """Whether ``variant`` with these keywords runs the warp-specialised body."""
+    return ws and variant[2] == 64 and reduce == "bulk"
 
 
-def _pass_configs(prefetch: bool = False, manual_sync: bool = False):
-    import tilelang
-
-    # with prefetch, tiles are written by cp.async while others are in use: no liveness-based aliasing
-    cfg = {
-        tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-        tilelang.PassConfigKey.TL_ENABLE_AGGRESSIVE_SHARED_MEMORY_MERGE: not prefetch,
-    }
-    if manual_sync:
-        # warp_stage: the kernel places every barrier itself (the automatic ones would be block-wide)
-        cfg[tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC] = True
-    return cfg
+def staging(variant: tuple, ws: bool = WS, reduce: str = REDUCE, stage_rows: int | None = None,
+            stage_bufs: int | None = None) -> tuple:
+    """(rows per staging round, staging buffers) that ``variant`` runs with; None takes the body's default."""
+    rows, bufs = STAGING["ws" if uses_ws(variant, ws, reduce) else "single"]
+    return (rows if stage_rows is None else stage_rows), (bufs if stage_bufs is None else stage_bufs)
 
 
-def build_program(variant: tuple, reduce: str = REDUCE, stage_rows: int = STAGE_ROWS, threads: int | None = None,
-                  prefetch: bool = PREFETCH, fused: bool = FUSED, drain: bool = DRAIN, stage_bufs: int = 2,
-                  _ablate: str = "", warp_stage: bool = False):
+def build_program(variant: tuple, reduce: str = REDUCE, stage_rows: int | None = None,
+                  stage_bufs: int | None = None, threads: int | None = None, ws: bool = WS):
     """The TileLang prim_func of one variant (Dqk, Dv, head_group, topk_block); sizes are symbolic."""
-    import tilelang.language as T
-
     if reduce not in REDUCE_MODES:
         raise ValueError(f"reduce must be one of {REDUCE_MODES}, got {reduce!r}")
-    if fused:
-        if stage_bufs < 2:
-            raise ValueError(f"stage_bufs must be >= 2, got {stage_bufs}")
-        if _ablate and set(_ablate.split(",")) - set(ABLATIONS):
-            raise ValueError(f"_ablate must name some of {ABLATIONS}, got {_ablate!r}")
-        return _build_fused(variant, reduce, stage_rows, threads, drain, stage_bufs, _ablate, warp_stage)
-    for name, value, default in (("drain", drain, True), ("stage_bufs", stage_bufs, 2), ("_ablate", _ablate, ""),
-                                 ("warp_stage", warp_stage, False)):
-        if value != default:
-            raise ValueError(f"{name} applies to fused=True only, got {name}={value!r} with fused=False")
+    rows, bufs = staging(variant, ws, reduce, stage_rows, stage_bufs)
+    for name, v in (("stage_rows", rows), ("stage_bufs", bufs)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if variant[3] % rows:
+        raise ValueError(f"stage_rows must divide topk_block = {variant[3]}, got {rows}")
+    if uses_ws(variant, ws, reduce):
+        if threads is not None:
+            raise ValueError(f"threads does not apply to the warp-specialised body (ws=True), got {threads!r}")
+        from . import backward_ws
+
+        return backward_ws.build_program(variant, _PRELUDE, rows, bufs)
+    if bufs != 2:
+        raise ValueError(f"the single-role body double-buffers its staging: stage_bufs must be 2, got {bufs}")
+    return _single_role_program(variant, reduce, rows, threads)
+
+
+def _single_role_program(variant: tuple, reduce: str, stage_rows: int, threads: int | None):
+    """Every thread of the block does every step in turn (16- and 32-head groups; ws=False)."""
+    import tilelang.language as T
+
     bulk = reduce == "bulk"
     dqk, dv, HG, BI = variant
     R = stage_rows
@@ -209,14 +183,13 @@ def build_program(variant: tuple, reduce: str = REDUCE, stage_rows: int = STAGE_
         with T.Kernel(n_rows, batch, groups, threads=threads, prelude=_PRELUDE if bulk else None) as (bx, by, bz):
             Q_shared = T.alloc_shared([HG, D], bf16)
             dO_shared = T.alloc_shared([HG, D], bf16)
-            NB = 2 if prefetch else 1  # KV tiles: with prefetch, block kb + 1 is gathered during block kb
-            KV_shared = T.alloc_shared([NB, BI, D], bf16)
+            KV_shared = T.alloc_shared([BI, D], bf16)
             P_shared = T.alloc_shared([HG, BI], bf16)
             dS_shared = T.alloc_shared([HG, BI], bf16)
-            idx_shared = T.alloc_shared([NB, BI], i32)
+            idx_shared = T.alloc_shared([BI], i32)
             # the rope tail (Dqk - Dv columns); allocated at a dummy size when there is none
             Qt_shared = T.alloc_shared([HG, TA], bf16)
-            KVt_shared = T.alloc_shared([NB, BI, TA], bf16)
+            KVt_shared = T.alloc_shared([BI, TA], bf16)
             acc_dq_t = T.alloc_fragment([HG, TA], f32)
             acc_dkv_t = T.alloc_fragment([BI, TA], f32)
 
@@ -252,90 +225,37 @@ def build_program(variant: tuple, reduce: str = REDUCE, stage_rows: int = STAGE_
                 T.clear(acc_dq_t)
 
             n_blk = T.ceildiv(n_valid, BI)
-            CH = dqk // 8  # 16-byte chunks per KV row
-            if prefetch:
-                # stale rows stay finite: zero once, then only valid rows are ever written
-                T.fill(KV_shared, 0)
-                T.fill(KVt_shared, 0)
-                for j in T.Parallel(BI):
-                    idx_shared[0, j] = T.if_then_else(j < n_valid, Indices[b_i, s_i, j], -1)
-                for j in T.Parallel(BI):
-                    idx_shared[0, j] = T.if_then_else(T.And(idx_shared[0, j] >= 0, idx_shared[0, j] < seq_kv),
-                                                      idx_shared[0, j], -1)
-                T.sync_threads()
-                for u in T.serial(T.ceildiv(BI * CH, threads)):
-                    c = u * threads + tx
-                    if c < BI * CH:
-                        if idx_shared[0, c // CH] >= 0:
-                            if (c % CH) * 8 < D:
-                                T.ptx_cp_async(T.access_ptr(KV_shared[0, c // CH, (c % CH) * 8], "w", 8),
-                                               T.access_ptr(KV[b_i, idx_shared[0, c // CH], (c % CH) * 8], "r", 8),
-                                               8)
-                            else:
-                                T.ptx_cp_async(T.access_ptr(KVt_shared[0, c // CH, (c % CH) * 8 - D], "w", 8),
-                                               T.access_ptr(KV[b_i, idx_shared[0, c // CH], (c % CH) * 8], "r", 8),
-                                               8)
-                T.ptx_commit_group()
-
             for kb in T.serial(n_blk):
-                cur = kb % NB
-                if prefetch:
-                    nxt = 1 - cur
-                    for j in T.Parallel(BI):
-                        idx_shared[nxt, j] = T.if_then_else((kb + 1) * BI + j < n_valid,
-                                                            Indices[b_i, s_i, (kb + 1) * BI + j], -1)
-                    for j in T.Parallel(BI):
-                        idx_shared[nxt, j] = T.if_then_else(
-                            T.And(idx_shared[nxt, j] >= 0, idx_shared[nxt, j] < seq_kv), idx_shared[nxt, j], -1)
-                    T.ptx_wait_group(0)
-                    T.sync_threads()
-                    # gather block kb + 1 while block kb computes (its buffer was released by the last sync)
-                    if kb + 1 < n_blk:
-                        for u in T.serial(T.ceildiv(BI * CH, threads)):
-                            c = u * threads + tx
-                            if c < BI * CH:
-                                if idx_shared[nxt, c // CH] >= 0:
-                                    if (c % CH) * 8 < D:
-                                        T.ptx_cp_async(
-                                            T.access_ptr(KV_shared[nxt, c // CH, (c % CH) * 8], "w", 8),
-                                            T.access_ptr(KV[b_i, idx_shared[nxt, c // CH], (c % CH) * 8], "r", 8), 8)
-                                    else:
-                                        T.ptx_cp_async(
-                                            T.access_ptr(KVt_shared[nxt, c // CH, (c % CH) * 8 - D], "w", 8),
-                                            T.access_ptr(KV[b_i, idx_shared[nxt, c // CH], (c % CH) * 8], "r", 8), 8)
-                        T.ptx_commit_group()
-                else:
-                    # validity by the contract's rule; an invalid slot keeps -1 and its row is zero-filled
-                    for j in T.Parallel(BI):
-                        idx_shared[0, j] = T.if_then_else(kb * BI + j < n_valid, Indices[b_i, s_i, kb * BI + j], -1)
-                    for j in T.Parallel(BI):
-                        idx_shared[0, j] = T.if_then_else(T.And(idx_shared[0, j] >= 0, idx_shared[0, j] < seq_kv),
-                                                          idx_shared[0, j], -1)
-                    for j, d in T.Parallel(BI, D):
-                        KV_shared[0, j, d] = T.if_then_else(idx_shared[0, j] >= 0, KV[b_i, idx_shared[0, j], d],
-                                                            T.cast(0, bf16))
-                    if tail > 0:
-                        for j, d in T.Parallel(BI, tail):
-                            KVt_shared[0, j, d] = T.if_then_else(idx_shared[0, j] >= 0,
-                                                                 KV[b_i, idx_shared[0, j], D + d], T.cast(0, bf16))
+                # validity by the contract's rule; an invalid slot keeps -1 and its row is zero-filled
+                for j in T.Parallel(BI):
+                    idx_shared[j] = T.if_then_else(kb * BI + j < n_valid, Indices[b_i, s_i, kb * BI + j], -1)
+                for j in T.Parallel(BI):
+                    idx_shared[j] = T.if_then_else(T.And(idx_shared[j] >= 0, idx_shared[j] < seq_kv),
+                                                   idx_shared[j], -1)
+                for j, d in T.Parallel(BI, D):
+                    KV_shared[j, d] = T.if_then_else(idx_shared[j] >= 0, KV[b_i, idx_shared[j], d], T.cast(0, bf16))
+                if tail > 0:
+                    for j, d in T.Parallel(BI, tail):
+                        KVt_shared[j, d] = T.if_then_else(idx_shared[j] >= 0, KV[b_i, idx_shared[j], D + d],
+                                                          T.cast(0, bf16))
 
-                T.gemm(Q_shared, KV_shared[cur, :, :], acc_p, transpose_B=True, clear_accum=True,
+                T.gemm(Q_shared, KV_shared, acc_p, transpose_B=True, clear_accum=True,
                        policy=T.GemmWarpPolicy.FullCol)
                 if tail > 0:
-                    T.gemm(Qt_shared, KVt_shared[cur, :, :], acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                    T.gemm(Qt_shared, KVt_shared, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
                 for h, j in T.Parallel(HG, BI):
-                    acc_p[h, j] = T.if_then_else(idx_shared[cur, j] >= 0, T.exp2(acc_p[h, j] * c2 - lse_f[h]), 0.0)
+                    acc_p[h, j] = T.if_then_else(idx_shared[j] >= 0, T.exp2(acc_p[h, j] * c2 - lse_f[h]), 0.0)
                 T.copy(acc_p, P_shared)
 
-                T.gemm(dO_shared, KV_shared[cur, :, :], acc_dp, transpose_B=True, clear_accum=True,
+                T.gemm(dO_shared, KV_shared, acc_dp, transpose_B=True, clear_accum=True,
                        policy=T.GemmWarpPolicy.FullCol)
                 for h, j in T.Parallel(HG, BI):
                     acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - delta_f[h]) * sm_scale
                 T.copy(acc_dp, dS_shared)
 
-                T.gemm(dS_shared, KV_shared[cur, :, :], acc_dq, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(dS_shared, KV_shared, acc_dq, policy=T.GemmWarpPolicy.FullCol)
                 if tail > 0:
-                    T.gemm(dS_shared, KVt_shared[cur, :, :], acc_dq_t, policy=T.GemmWarpPolicy.FullCol)
+                    T.gemm(dS_shared, KVt_shared, acc_dq_t, policy=T.GemmWarpPolicy.FullCol)
 
                 T.gemm(dS_shared, Q_shared, acc_dkv, transpose_A=True, clear_accum=True,
                        policy=T.GemmWarpPolicy.FullCol)
@@ -358,9 +278,9 @@ def build_program(variant: tuple, reduce: str = REDUCE, stage_rows: int = STAGE_
                         T.fence_proxy_async()
                         T.sync_threads()
                         if tx < R:
-                            if idx_shared[cur, r * R + tx] >= 0:
+                            if idx_shared[r * R + tx] >= 0:
                                 T.call_extern("handle", "smqa_bulk_add_u64", T.address_of(stage[r % 2, tx, 0]),
-                                              T.address_of(Acc[b_i, idx_shared[cur, r * R + tx], 0]), dqk * 8)
+                                              T.address_of(Acc[b_i, idx_shared[r * R + tx], 0]), dqk * 8)
                             T.call_extern("handle", "smqa_bulk_commit_wait_read1")
                         T.sync_threads()
                     # the staging may share memory with the next block's tiles: no read may stay in flight
@@ -369,12 +289,12 @@ def build_program(variant: tuple, reduce: str = REDUCE, stage_rows: int = STAGE_
                     T.sync_threads()
                 else:
                     for j, d in T.Parallel(BI, D):
-                        if idx_shared[cur, j] >= 0:
-                            T.atomic_add(Acc[b_i, idx_shared[cur, j], d], T.cast(T.round(acc_dkv[j, d] * fx), i64))
+                        if idx_shared[j] >= 0:
+                            T.atomic_add(Acc[b_i, idx_shared[j], d], T.cast(T.round(acc_dkv[j, d] * fx), i64))
                     if tail > 0:
                         for j, d in T.Parallel(BI, tail):
-                            if idx_shared[cur, j] >= 0:
-                                T.atomic_add(Acc[b_i, idx_shared[cur, j], D + d],
+                            if idx_shared[j] >= 0:
+                                T.atomic_add(Acc[b_i, idx_shared[j], D + d],
                                              T.cast(T.round(acc_dkv_t[j, d] * fx), i64))
 
             for h, d in T.Parallel(HG, D):
@@ -391,274 +311,27 @@ def build_program(variant: tuple, reduce: str = REDUCE, stage_rows: int = STAGE_
     return sparse_mla_bwd
 
 
-def _build_fused(variant: tuple, reduce: str, stage_rows: int, threads: int | None, drain: bool,
-                 stage_bufs: int = 2, ablate: str = "", warp_stage: bool = False):
-    """``FUSED``: the same algorithm and accumulation with two wide products per top-k block instead of five.
-
-    QdO_shared stacks [Q[:, :Dv]; dO] (2 HG rows) and QtZ_shared [Q[:, Dv:]; 0], so one product of
-    [2 HG x BI] gives the scores (rows < HG) and dP (rows >= HG), each warpgroup owning one half; the halves
-    meet in an fp32 shared tile for dS = P (dP - Delta) sm_scale. PdS_shared stacks [dS; P] (bf16), so
-    dkv = [dS; P]^T [Q; dO] is one product of K = 2 HG, and its rope tail [dS; P]^T [Qt; 0] = dS^T Qt.
-    """
-    import tilelang.language as T
-
-    bulk = reduce == "bulk"
-    dqk, dv, HG, BI = variant
-    R = stage_rows
-    assert BI % R == 0
-    D = dv
-    tail = dqk - dv
-    TA = max(tail, 16)
-    M2 = 2 * HG
-    NBUF = stage_bufs
-    NR = BI // R  # staging rounds per top-k block
-    abl = set(filter(None, ablate.split(",")))
-    assert abl <= set(ABLATIONS), ablate
-    do_gather, do_dkv, do_reduce = ("nogather" not in abl), ("nodkv" not in abl), ("noreduce" not in abl)
-    WS = warp_stage and bulk
-    NW = threads // 32 if threads is not None else THREADS.get(HG, 128) // 32
-    WN, WT = D // NW, tail // NW  # dkv columns each warp's mma fragment holds (main, rope tail)
-    RW = 8  # rows per per-warp staging round
-    SW = WN + WT
-    NL = RW * (2 if tail > 0 else 1)  # lanes issuing bulk ops: one per row (main), one per row (tail)
-    if WS:
-        assert BI % RW == 0 and D % NW == 0 and tail % NW == 0
-    wait_fn = "smqa_bulk_commit_wait_read1" if NBUF == 2 else f"smqa_bulk_commit_wait_read_n<{NBUF - 1}>"
-    prelude = None
-    if bulk:
-        prelude = _PRELUDE if NBUF == 2 else _PRELUDE + _PRELUDE_N
-        if warp_stage:
-            prelude = _PRELUDE + _PRELUDE_COMMIT
-    if threads is None:
-        threads = THREADS.get(HG, 128)
-    batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
-    bf16, f32, i32, i64 = T.bfloat16, T.float32, T.int32, T.int64
-    log2e = contract.LOG2E
-
-    @T.prim_func
-    def sparse_mla_bwd(
-        Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
-        KV: T.Tensor([batch, seq_kv, dqk], bf16),
-        dO: T.Tensor([batch, seq_len, heads, dv], bf16),
-        Indices: T.Tensor([batch, seq_len, topk], i32),
-        TopkLen: T.Tensor([batch, seq_len], i32),
-        Lse2: T.Tensor([batch, seq_len, heads], f32),
-        Delta: T.Tensor([batch, seq_len, heads], f32),
-        Rows: T.Tensor([n_rows], i32),
-        Fx: T.Tensor([1], f32),
-        dQ: T.Tensor([batch, seq_len, heads, dqk], bf16),
-        Acc: T.Tensor([batch, seq_kv, dqk], i64),
-        sm_scale: f32,
-    ):
-        groups = T.ceildiv(heads, HG)
-        with T.Kernel(n_rows, batch, groups, threads=threads, prelude=prelude) as (bx, by, bz):
-            QdO_shared = T.alloc_shared([M2, D], bf16)
-            QtZ_shared = T.alloc_shared([M2, TA], bf16)
-            KV_shared = T.alloc_shared([BI, D], bf16)
-            KVt_shared = T.alloc_shared([BI, TA], bf16)
-            SP_shared = T.alloc_shared([M2, BI], f32)  # P (rows < HG) and dP - Delta (rows >= HG)
-            PdS_shared = T.alloc_shared([M2, BI], bf16)  # dS (rows < HG) and P (rows >= HG)
-            dS_shared = T.alloc_shared([HG, BI], bf16)
-            idx_shared = T.alloc_shared([BI], i32)
-            stage = T.alloc_shared([NBUF, R, dqk] if (bulk and not WS) else [1, 1, 2], i64)
-            stage_w = T.alloc_shared([NW, RW, SW] if WS else [1, 1, 2], i64)
-
-            acc_sp = T.alloc_fragment([M2, BI], f32)
-            acc_dq = T.alloc_fragment([HG, D], f32)
-            acc_dq_t = T.alloc_fragment([HG, TA], f32)
-            acc_dkv = T.alloc_fragment([BI, D], f32)
-            acc_dkv_t = T.alloc_fragment([BI, TA], f32)
-            bias_f = T.alloc_fragment([M2], f32)  # kernel lse (rows < HG), Delta (rows >= HG)
-
-            b_i = by
-            s_i = Rows[bx]
-            h0 = bz * HG
-            fx = Fx[0]
-            tx = T.get_thread_binding()
-            c2 = sm_scale * log2e
-            n_valid = T.min(TopkLen[b_i, s_i], topk)
-
-            # padded heads: zero q and dO, Delta 0, lse +inf -> P = dS = 0; rows h0 + h >= heads never touched
-            for r, d in T.Parallel(M2, D):
-                QdO_shared[r, d] = T.if_then_else(
-                    h0 + r % HG < heads,
-                    T.if_then_else(r < HG, Q[b_i, s_i, h0 + r % HG, d], dO[b_i, s_i, h0 + r % HG, d]),
-                    T.cast(0, bf16))
-            if tail > 0:
-                for r, d in T.Parallel(M2, tail):
-                    QtZ_shared[r, d] = T.if_then_else(T.And(r < HG, h0 + r % HG < heads),
-                                                      Q[b_i, s_i, h0 + r % HG, D + d], T.cast(0, bf16))
-            for r in T.Parallel(M2):
-                bias_f[r] = T.if_then_else(
-                    h0 + r % HG < heads,
-                    T.if_then_else(r < HG, Lse2[b_i, s_i, h0 + r % HG], Delta[b_i, s_i, h0 + r % HG]),
-                    T.if_then_else(r < HG, T.infinity(f32), 0.0))
-            T.clear(acc_dq)
-            if tail > 0:
-                T.clear(acc_dq_t)
-
-            n_blk = T.ceildiv(n_valid, BI)
-            for kb in T.serial(n_blk):
-                if WS:
-                    # previous block's readers of idx / KV / SP / dS / PdS are done; first block: q, dO loaded
-                    T.sync_threads()
-                # validity by the contract's rule; an invalid slot keeps -1 and its row is zero-filled
-                for j in T.Parallel(BI):
-                    idx_shared[j] = T.if_then_else(kb * BI + j < n_valid, Indices[b_i, s_i, kb * BI + j], -1)
-                for j in T.Parallel(BI):
-                    idx_shared[j] = T.if_then_else(T.And(idx_shared[j] >= 0, idx_shared[j] < seq_kv),
-                                                   idx_shared[j], -1)
-                if WS:
-                    T.sync_threads()
-                if do_gather:
-                    for j, d in T.Parallel(BI, D):
-                        KV_shared[j, d] = T.if_then_else(idx_shared[j] >= 0, KV[b_i, idx_shared[j], d],
-                                                         T.cast(0, bf16))
-                    if tail > 0:
-                        for j, d in T.Parallel(BI, tail):
-                            KVt_shared[j, d] = T.if_then_else(idx_shared[j] >= 0, KV[b_i, idx_shared[j], D + d],
-                                                              T.cast(0, bf16))
-
-                if WS:
-                    T.sync_threads()
-                # scores and dP in one product: [Q; dO] K^T (+ [Qt; 0] Kt^T)
-                T.gemm(QdO_shared, KV_shared, acc_sp, transpose_B=True, clear_accum=True,
-                       policy=T.GemmWarpPolicy.FullRow)
-                if tail > 0:
-                    T.gemm(QtZ_shared, KVt_shared, acc_sp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for r, j in T.Parallel(M2, BI):
-                    SP_shared[r, j] = T.if_then_else(
-                        r < HG,
-                        T.if_then_else(idx_shared[j] >= 0, T.exp2(acc_sp[r, j] * c2 - bias_f[r]), 0.0),
-                        acc_sp[r, j] - bias_f[r])
-                if WS:
-                    T.sync_threads()
-                for h, j in T.Parallel(HG, BI):
-                    dS_shared[h, j] = T.cast(SP_shared[h, j] * SP_shared[HG + h, j] * sm_scale, bf16)
-                    PdS_shared[h, j] = T.cast(SP_shared[h, j] * SP_shared[HG + h, j] * sm_scale, bf16)
-                    PdS_shared[HG + h, j] = T.cast(SP_shared[h, j], bf16)
-                if WS:
-                    T.fence_proxy_async()
-                    T.sync_threads()
-
-                T.gemm(dS_shared, KV_shared, acc_dq, policy=T.GemmWarpPolicy.FullCol)
-                if tail > 0:
-                    T.gemm(dS_shared, KVt_shared, acc_dq_t, policy=T.GemmWarpPolicy.FullCol)
-                if do_dkv:
-                    # dkv = [dS; P]^T [Q; dO]; tail [dS; P]^T [Qt; 0] = dS^T Qt
-                    T.gemm(PdS_shared, QdO_shared, acc_dkv, transpose_A=True, clear_accum=True,
-                           policy=T.GemmWarpPolicy.FullCol)
-                    if tail > 0:
-                        T.gemm(PdS_shared, QtZ_shared, acc_dkv_t, transpose_A=True, clear_accum=True,
-                               policy=T.GemmWarpPolicy.FullCol)
-
-                    # exact, order-free accumulation: one rounding to 2**-F, then int64 adds (valid slots only)
-                    if WS:
-                        # per-warp staging: warp w stages the dkv columns its own mma fragment holds and its
-                        # lanes send them; only warp-level barriers, so no warp waits for another's reduction
-                        for r in T.serial(BI // RW):
-                            if tx % 32 < NL:
-                                # this lane's previous bulk op has finished reading the warp's staging
-                                T.call_extern("handle", "smqa_bulk_wait_read0")
-                            T.sync_warp()
-                            for j, d in T.Parallel(BI, D):
-                                if T.And(j // RW == r, d // WN == tx // 32):
-                                    stage_w[d // WN, j % RW, d % WN] = T.cast(T.round(acc_dkv[j, d] * fx), i64)
-                            if tail > 0:
-                                for j, d in T.Parallel(BI, tail):
-                                    if T.And(j // RW == r, d // WT == tx // 32):
-                                        stage_w[d // WT, j % RW, WN + d % WT] = T.cast(
-                                            T.round(acc_dkv_t[j, d] * fx), i64)
-                            T.fence_proxy_async()
-                            T.sync_warp()
-                            if tx % 32 < RW:
-                                if do_reduce:
-                                    if idx_shared[r * RW + tx % 32] >= 0:
-                                        T.call_extern("handle", "smqa_bulk_add_u64",
-                                                      T.address_of(stage_w[tx // 32, tx % 32, 0]),
-                                                      T.address_of(Acc[b_i, idx_shared[r * RW + tx % 32],
-                                                                       (tx // 32) * WN]), WN * 8)
-                                T.call_extern("handle", "smqa_bulk_commit")
-                            elif tx % 32 < NL:
-                                if do_reduce:
-                                    if idx_shared[r * RW + tx % 32 - RW] >= 0:
-                                        T.call_extern("handle", "smqa_bulk_add_u64",
-                                                      T.address_of(stage_w[tx // 32, tx % 32 - RW, WN]),
-                                                      T.address_of(Acc[b_i, idx_shared[r * RW + tx % 32 - RW],
-                                                                       D + (tx // 32) * WT]), WT * 8)
-                                T.call_extern("handle", "smqa_bulk_commit")
-                    elif bulk:
-                        for r in T.serial(NR):
-                            # staging buffers rotate over the rounds of all blocks; a buffer is rewritten only
-                            # after the bulk group that read it last retired (wait below, then the barrier)
-                            bsel = r % 2 if NBUF == 2 else (kb * NR + r) % NBUF
-                            for j, d in T.Parallel(BI, D):
-                                if j // R == r:
-                                    stage[bsel, j % R, d] = T.cast(T.round(acc_dkv[j, d] * fx), i64)
-                            if tail > 0:
-                                for j, d in T.Parallel(BI, tail):
-                                    if j // R == r:
-                                        stage[bsel, j % R, D + d] = T.cast(T.round(acc_dkv_t[j, d] * fx), i64)
-                            T.fence_proxy_async()
-                            T.sync_threads()
-                            if tx < R:
-                                if do_reduce:
-                                    if idx_shared[r * R + tx] >= 0:
-                                        T.call_extern("handle", "smqa_bulk_add_u64",
-                                                      T.address_of(stage[bsel, tx, 0]),
-                                                      T.address_of(Acc[b_i, idx_shared[r * R + tx], 0]), dqk * 8)
-                                T.call_extern("handle", wait_fn)
-                            T.sync_threads()
-                        if drain:
-                            # the staging may share memory with the next block's tiles: no read may stay in flight
-                            if tx < R:
-                                T.call_extern("handle", "smqa_bulk_wait_read0")
-                            T.sync_threads()
-                    else:
-                        for j, d in T.Parallel(BI, D):
-                            if idx_shared[j] >= 0:
-                                T.atomic_add(Acc[b_i, idx_shared[j], d], T.cast(T.round(acc_dkv[j, d] * fx), i64))
-                        if tail > 0:
-                            for j, d in T.Parallel(BI, tail):
-                                if idx_shared[j] >= 0:
-                                    T.atomic_add(Acc[b_i, idx_shared[j], D + d],
-                                                 T.cast(T.round(acc_dkv_t[j, d] * fx), i64))
-
-            for h, d in T.Parallel(HG, D):
-                if h0 + h < heads:
-                    dQ[b_i, s_i, h0 + h, d] = T.cast(acc_dq[h, d], bf16)
-            if tail > 0:
-                for h, d in T.Parallel(HG, tail):
-                    if h0 + h < heads:
-                        dQ[b_i, s_i, h0 + h, D + d] = T.cast(acc_dq_t[h, d], bf16)
-            if WS:
-                if tx % 32 < NL:
-                    T.call_extern("handle", "smqa_bulk_wait_all")
-            elif bulk:
-                if tx < R:
-                    T.call_extern("handle", "smqa_bulk_wait_all")
-
-    return sparse_mla_bwd
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(variant: tuple, reduce: str = REDUCE, stage_rows: int = STAGE_ROWS, threads: int | None = None,
-             prefetch: bool = PREFETCH, fused: bool = FUSED, drain: bool = DRAIN, stage_bufs: int = 2,
-             _ablate: str = "", warp_stage: bool = False):
+def compiled(variant: tuple, reduce: str = REDUCE, stage_rows: int | None = None, stage_bufs: int | None = None,
+             threads: int | None = None, ws: bool = WS):
     """The compiled kernel of one variant (TileLang's disk cache under TILELANG_CACHE_DIR makes reloads cheap)."""
     import tilelang
 
-    program = build_program(variant, reduce, stage_rows, threads, prefetch, fused, drain, stage_bufs, _ablate,
-                            warp_stage)
-    return tilelang.compile(program, out_idx=None, target=TARGET,
-                            pass_configs=_pass_configs(prefetch and not fused, fused and warp_stage))
+    program = build_program(variant, reduce, stage_rows, stage_bufs, threads, ws)
+    configs = {}
+    if not uses_ws(variant, ws, reduce):
+        # the single-role body: no automatic warp specialisation; tiles with disjoint lifetimes share memory
+        configs = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+                   tilelang.PassConfigKey.TL_ENABLE_AGGRESSIVE_SHARED_MEMORY_MERGE: True}
+    return tilelang.compile(program, out_idx=None, target=TARGET, pass_configs=configs)
 
 
-def kernel_source(variant: tuple, reduce: str = REDUCE, stage_rows: int = STAGE_ROWS,
-                  threads: int | None = None, prefetch: bool = PREFETCH, fused: bool = FUSED,
-                  drain: bool = DRAIN, stage_bufs: int = 2, _ablate: str = "", warp_stage: bool = False) -> str:
-    return compiled(variant, reduce, stage_rows, threads, prefetch, fused, drain, stage_bufs,
-                    _ablate, warp_stage).get_kernel_source()
+def kernel_source(variant: tuple, reduce: str = REDUCE, stage_rows: int | None = None,
+                  stage_bufs: int | None = None, threads: int | None = None, ws: bool = WS) -> str:
+    """Generated CUDA of one variant (compiles it if needed)."""
+    return compiled(variant, reduce, stage_rows, stage_bufs, threads, ws).get_kernel_source()
 
 
 def precompile() -> list[str]:
@@ -713,14 +386,12 @@ def _sink_probability(lse, attn_sink):
 
 def sparse_mla_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None,
                         max_query_chunk: int = bwd_plan.MAX_QUERY_CHUNK, reduce: str = REDUCE,
-                        stage_rows: int = STAGE_ROWS, threads: int | None = None, topk_block: int | None = None,
-                        prefetch: bool = PREFETCH, fused: bool = FUSED, drain: bool = DRAIN, stage_bufs: int = 2,
-                        _ablate: str = "", warp_stage: bool = False):
+                        stage_rows: int | None = None, stage_bufs: int | None = None, threads: int | None = None,
+                        topk_block: int | None = None, ws: bool = WS):
     """Contract backward on the GPU: ``(dq bf16, dkv bf16, d_sink fp32 or None)``, bitwise deterministic.
 
     Arguments are validated (shapes, kernel dtypes, device, supported dims) before any GPU work. The keyword
-    arguments after ``topk_length`` select kernel configurations (module docstring; all give the same bits);
-    ``_ablate`` leaves work out for timing attribution only and gives wrong results.
+    arguments after ``topk_length`` select kernel configurations (module docstring; all give the same bits).
     """
     import torch
 
@@ -729,8 +400,7 @@ def sparse_mla_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
     sm_scale = float(sm_scale)
     plan = bwd_plan.make_plan(dims.B, dims.S, dims.Skv, dims.H, dims.L, dims.Dqk, dims.Dv,
                               max_query_chunk=max_query_chunk, topk_block=topk_block)
-    kernel = compiled(plan.variant, reduce, stage_rows, threads, prefetch, fused, drain, stage_bufs, _ablate,
-                      warp_stage)
+    kernel = compiled(plan.variant, reduce, stage_rows, stage_bufs, threads, ws)
     dev = q.device
     q, kv, out, grad_out, lse, indices = (t.contiguous() for t in (q, kv, out, grad_out, lse, indices))
     with torch.cuda.device(dev):
