@@ -258,6 +258,33 @@ def test_delta_allowance_is_what_lets_a_peaked_softmax_pass(monkeypatch):
     assert not res.passed and "dkv:" in res.message
 
 
+def test_repeat_allowance_is_what_lets_coherent_rounding_pass(monkeypatch):
+    # Skv = 1: all 15 slots name one row, P = 1/15 rounds to bf16 the same way 15 times and P^T dO carries that
+    # one rounding 15 times (found by the conformance suite on an H200 and in the NumPy model alike)
+    case = Case(S=1, Skv=1, H=1, L=15, Dqk=576, Dv=512)
+    res = check_backward_tolerance(EmulatedKernel(), case)
+    assert res.passed, res.message
+    assert res.per_tensor["dkv"]["repeat_error"] > res.per_tensor["dkv"]["reference_error"]
+    import sparse_mqa_testkit.checks.tolerance as tol
+
+    monkeypatch.setattr(tol, "repeat_allowance", lambda name, case: 0.0)
+    res = check_backward_tolerance(EmulatedKernel(), case)
+    assert not res.passed and "dkv:" in res.message
+
+
+def test_repeat_allowance_counts_only_repeated_rows():
+    from sparse_mqa_testkit.checks.tolerance import _repeats, repeat_allowance
+
+    idx = torch.tensor([[[3, 3, 1, 3, 0], [2, 2, 2, 2, 2]]])
+    valid = torch.tensor([[[True, True, True, False, True], [True, True, False, False, False]]])
+    assert _repeats(valid, idx).tolist() == [[[2, 2, 1, 0, 1], [2, 2, 0, 0, 0]]]
+    distinct = Case(S=4, Skv=64, H=3, L=16, sink="finite", seed=2)  # distinct indices within a row
+    assert all(repeat_allowance(n, distinct) == 0.0 for n in ("dq", "dkv", "d_sink", "out", "lse"))
+    dup = Case(S=4, Skv=3, H=3, L=16, sink="finite", seed=2)  # L > Skv: rows repeat
+    assert repeat_allowance("dkv", dup) > 0 and repeat_allowance("dq", dup) > 0
+    assert repeat_allowance("d_sink", dup) == 0.0
+
+
 def test_compare_tensor_shape_mismatch_is_a_problem_not_a_broadcast():
     o = torch.ones(2, 3, dtype=torch.float64)
     entry, prob = compare_tensor("dq", torch.ones(1, 3), o, o)

@@ -6,7 +6,10 @@ Per tensor, over the entries the oracle has finite:
     rounding = ||ref - oracle64|| / ||oracle64||    ref: float32 math rounded to the output's kernel dtype
     delta    = estimate of the error from Delta = <dO, out> formed with the bf16 out a backward is given
                (``delta_allowance``; 0 for out and lse)
-    allowed  = k * hypot(rounding, delta) + floor
+    repeats  = estimate of the error from bf16 P and dS when several slots of one row name the same KV row:
+               their roundings are then identical and add up instead of averaging (``repeat_allowance``;
+               0 without duplicates, and for out, lse and d_sink)
+    allowed  = k * hypot(rounding, delta, repeats) + floor
 A zero oracle tensor (every row empty, every sink +inf, ...) has no scale: then all are absolute L2 norms.
 A bf16 result within one ulp of the exact value everywhere passes too (the best a bf16 output can do, even
 where the exact value is representable and ``rounding`` is 0). NaN / +inf / -inf positions must match the
@@ -38,7 +41,8 @@ K_DEFAULT = 2.5
 # 2^-7 relative unit spread over n elements (3.9e-3 at n = 4, 2.4e-4 at n = 1024, ~0 at production sizes).
 # Survey with the emulation in tests/broken_backends.py (EmulatedKernel), 2026-11-30, whole model: 150 drawn
 # 576/512 cases, worst ratio 0.87 (dkv), lse 0.04; 500 drawn small-dim cases, worst 0.90, except dkv with
-# Dqk = 1 and Skv = 1 (one value summing every slot's dS with cancellation, no kernel has Dqk = 1): 3.6.
+# Dqk = 1 and Skv = 1 (one value summing every slot's dS with cancellation, no kernel has Dqk = 1): 3.6, and
+# 1.03 (160 cases, one above 1) once ``repeat_allowance`` counted the coherent rounding of repeated rows.
 FLOORS = {
     "dq": 1e-5,
     "dkv": 1e-5,
@@ -87,17 +91,19 @@ def bf16_ulp(x):
 
 
 def compare_tensor(name: str, kernel, oracle64, ref64, *, k: float = K_DEFAULT, floor: float | None = None,
-                   extra: float = 0.0):
+                   extra: dict | float = 0.0):
     """Compare one result with the float64 oracle under the error model.
 
-    extra: absolute L2 error of the bf16 model that output rounding does not show (``delta_allowance``); it
-    joins the rounding error in quadrature before k applies.
+    extra: absolute L2 errors of the bf16 model that output rounding does not show, by source
+    ({"Delta": ``delta_allowance``, "repeated rows": ``repeat_allowance``}; a number means {"Delta": number});
+    they join the rounding error in quadrature before k applies.
     Returns (entry, problem): entry has error, allowed, ratio, reference_error, floor, k, mode, mismatches,
     numel, worst_index, worst_kernel, worst_oracle; problem is a message block or None when it passes.
     """
     import torch
 
     a, o, r = as_f64(kernel), as_f64(oracle64), as_f64(ref64)
+    extra = dict(extra) if isinstance(extra, dict) else {"Delta": float(extra)}
     if floor is None:
         n = max(int(torch.isfinite(o).sum()), 1)
         small = SMALL_SAMPLE / math.sqrt(n) if contract.KERNEL_DTYPES.get(name) == "bfloat16" else 0.0
@@ -128,16 +134,18 @@ def compare_tensor(name: str, kernel, oracle64, ref64, *, k: float = K_DEFAULT, 
         mode = "relative"
         err = float(torch.linalg.vector_norm(d)) / norm_o
         ref_err = float(torch.linalg.vector_norm(rz)) / norm_o
-        delta = extra / norm_o
+        extras = {src: v / norm_o for src, v in extra.items()}
     else:  # a zero reference has no scale: absolute L2 against the floor (on the error scale when known)
         mode = "absolute"
         err = float(torch.linalg.vector_norm(d))
         ref_err = float(torch.linalg.vector_norm(rz))
-        delta = extra
-    # the bf16 model's own error: output rounding and, independent of it, Delta from the bf16 out
-    model_err = math.hypot(ref_err, delta)
+        extras = dict(extra)
+    # the bf16 model's own error: output rounding and, independent of it, Delta from the bf16 out and
+    # coherent operand rounding on repeated rows
+    model_err = math.hypot(ref_err, *extras.values())
     allowed = k * model_err + floor
-    entry["delta_error"] = delta
+    entry["delta_error"] = extras.get("Delta", 0.0)
+    entry["repeat_error"] = extras.get("repeated rows", 0.0)
     # elementwise bound from the same model: allowed relative error on each element's own scale or the rms
     rms = norm_o / math.sqrt(max(n_fin, 1))
     bound = allowed * (oz.abs() + rms) if mode == "relative" else torch.full_like(oz, allowed)
@@ -166,8 +174,9 @@ def compare_tensor(name: str, kernel, oracle64, ref64, *, k: float = K_DEFAULT, 
         return entry, None
     what = "relative L2 error" if mode == "relative" else "absolute L2 error (oracle is all zero)"
     pct = 100.0 * mism / max(o.numel(), 1)
+    parts = "".join(f", {src} {v:.3e}" for src, v in extras.items() if v)
     msg = (f"{name}: {what} {err:.3e} > allowed {allowed:.3e} "
-           f"(= {k:g} x bf16 model error {model_err:.3e} [output rounding {ref_err:.3e}, Delta {delta:.3e}] "
+           f"(= {k:g} x bf16 model error {model_err:.3e} [output rounding {ref_err:.3e}{parts}] "
            f"+ floor {floor:.2e}); ratio {ratio:.3g}\n"
            f"  Mismatched elements: {mism} / {o.numel()} ({pct:.1f}%) "
            f"[bound per element: allowed x (|oracle| + rms(oracle))]\n"
@@ -251,6 +260,62 @@ def delta_allowance(name: str, case, *, coef: float = DELTA_COEF) -> float:
     return coef * float(torch.linalg.vector_norm(torch.linalg.vector_norm(p_sink * e_delta, dim=(0, 1))))
 
 
+REPEAT_COEF = 2.0 ** -8  # one bf16 rounding, at most 2^-8 relative, counted once per repeated slot
+
+
+def _repeats(valid, idx):
+    """For each slot, how many valid slots of its query row name the same KV row (0 on invalid slots)."""
+    import torch
+
+    B, S, L = idx.shape
+    row = torch.arange(B * S).reshape(B, S, 1).expand(B, S, L)
+    span = (int(idx.max()) + 1) if idx.numel() else 1
+    # invalid slots get keys of their own (negative), so they never count as a repeat
+    key = torch.where(valid, row * span + idx, -1 - torch.arange(B * S * L).reshape(B, S, L))
+    _, inv, counts = torch.unique(key.reshape(-1), return_inverse=True, return_counts=True)
+    return torch.where(valid, counts[inv].reshape(B, S, L), 0)
+
+
+def repeat_allowance(name: str, case, *, coef: float = REPEAT_COEF) -> float:
+    """Absolute L2 error a kernel may add by rounding P and dS to bf16 when slots of one row repeat a KV row.
+
+    A tensor-core backward feeds P and dS to its products in bf16. Slots of one (query, head) naming the same
+    KV row have the same score, so the same P and dS and the same rounding error: m such slots put m times one
+    rounding into that row's dkv (P^T dO and dS^T q) and into dq (dS kv), where independent roundings would
+    give sqrt(m) times. k covers the independent part (calibrated on cases without duplicates); this is the
+    excess, coef * sqrt(sum over slots of (m - 1) x^2 |y|^2) for x = P, dS and y = dO, q (dkv) or kv (dq),
+    with coef one rounding's worst case. Zero when no row repeats; Skv = 1 (every slot on one row) and
+    L > Skv are where it matters.
+    """
+    import numpy as np
+    import torch
+
+    if name not in ("dq", "dkv"):
+        return 0.0
+    x = case.inputs()
+    valid = torch.from_numpy(contract.valid_mask(x["indices"], case.Skv, x["topk_length"]))
+    idx = torch.where(valid, torch.from_numpy(x["indices"].astype(np.int64)), 0)
+    extra = (_repeats(valid, idx) - 1).clamp_min(0).to(torch.float64)  # [B, S, L]
+    if not bool((extra > 0).any()):
+        return 0.0
+    f64 = oracle_results(case)["f64"]
+    lse = as_f64(f64["lse"])
+    P = _slot_probs(case, lse)  # [B, S, H, L]
+    kv = as_f64(x["kv"])
+    K = kv[torch.arange(case.B)[:, None, None], idx]  # [B, S, L, Dqk]
+    do = as_f64(x["grad_out"])
+    dP = torch.einsum("bshd,bsld->bshl", do, K[..., : case.Dv])
+    delta = (do * as_f64(f64["out"])).sum(-1)
+    dS = torch.nan_to_num(P * (dP - delta[..., None]), nan=0.0, posinf=0.0, neginf=0.0)
+    w = extra[:, :, None, :]  # [B, S, 1, L]
+    if name == "dkv":
+        p_term = (w * P ** 2).sum(-1) * (do ** 2).sum(-1)
+        s_term = case.scale ** 2 * (w * dS ** 2).sum(-1) * (as_f64(x["q"]) ** 2).sum(-1)
+        return coef * float(torch.sqrt((p_term + s_term).sum()))
+    kv2 = (K ** 2).sum(-1)[:, :, None, :]  # [B, S, 1, L]
+    return coef * case.scale * float(torch.sqrt((w * dS ** 2 * kv2).sum()))
+
+
 def compare_outputs(names, results: dict, case, *, k=K_DEFAULT, floor=None, device=None, sink_given=None):
     """Structure + error model for a set of named results. Returns (per_tensor, problems, worst_ratio)."""
     dims = case.dims
@@ -272,8 +337,9 @@ def compare_outputs(names, results: dict, case, *, k=K_DEFAULT, floor=None, devi
             per_tensor[name] = {"error": math.inf, "allowed": 0.0, "ratio": math.inf, "problem": prob}
             worst = math.inf
             continue
+        extra = {"Delta": delta_allowance(name, case), "repeated rows": repeat_allowance(name, case)}
         entry, prob = compare_tensor(name, val, ores["f64"][name], rounded_reference(name, ores["f32"][name]),
-                                     k=k, floor=floors.get(name), extra=delta_allowance(name, case))
+                                     k=k, floor=floors.get(name), extra=extra)
         per_tensor[name] = entry
         worst = max(worst, entry["ratio"])
         if prob:
