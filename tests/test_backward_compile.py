@@ -90,6 +90,8 @@ def test_staging_configuration_is_validated():
         backward.build_program(ANCHOR, stage_rows=3)
     with pytest.raises(ValueError, match="stage_bufs must be 2"):
         backward.build_program(SMALL_GROUP, stage_bufs=1)
+    with pytest.raises(ValueError, match="stage_rows x stage_bufs = 16 x 1 needs"):
+        backward.build_program(ANCHOR, stage_rows=16, stage_bufs=1)
     with pytest.raises(ValueError, match="threads does not apply"):
         backward.build_program(ANCHOR, threads=256)
     assert backward.staging(ANCHOR) == backward.STAGING["ws"]

@@ -30,6 +30,7 @@ STAGES = 2  # KV ring depth
 # block, so the three must sum to what the launch allocated (168 per thread at 384 threads): 240 + 200 + 64
 NREG = (240, 200, 64)
 assert sum(NREG) == 3 * 168
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90
 # named barriers of one consumer's 128 threads (ids TileLang's own partial syncs do not take)
 _WG_BARRIER = (14, 15)
 
@@ -47,6 +48,11 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
     R, NBUF = stage_rows, stage_bufs
     assert BI % R == 0 and BI % 16 == 0
     NR = BI // R  # staging rounds per top-k block
+    smem = (HG * dqk + HG * D + STAGES * BI * dqk + 2 * HG * BI) * 2 + (STAGES * BI + HG * BI) * 4 \
+        + 2 * NBUF * R * W0 * 8
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"stage_rows x stage_bufs = {R} x {NBUF} needs {smem} bytes of shared memory with "
+                         f"the other tiles, over the {SMEM_LIMIT} an sm_90 block may use: lower either")
     ROWS_PER_PASS = 16  # producer: 8 threads per KV row
     assert BI % ROWS_PER_PASS == 0
     PASSES = BI // ROWS_PER_PASS
