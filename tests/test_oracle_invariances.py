@@ -150,18 +150,22 @@ def test_which_invalid_value_a_slot_holds(case):
 @given(case=small_cases(dims=((16, 8), (5, 3), (24, 16))))
 def test_dkv_grouping_does_not_change_a_bit(case):
     """dkv sums each kv row's contributions in order, in one padded grid or in one grid per multiplicity
-    class (chosen by how skewed the references are): both must give the same bits (Dqk > 1)."""
+    class (chosen by how skewed the references are), gathered in blocks of rows of any size: all must give
+    the same bits (Dqk > 1)."""
     from sparse_mqa_testkit.oracle import reference
 
     x = case.inputs()
     want = run(x)
-    saved = reference._ONE_GRID_SLACK
+    saved = reference._ONE_GRID_SLACK, reference._GATHER_BYTES
     try:
         reference._ONE_GRID_SLACK = -(10**9)  # always one grid per class
         got = run(x)
+        reference._GATHER_BYTES = 1  # one kv row per gathered block
+        got_rows = run(x)
     finally:
-        reference._ONE_GRID_SLACK = saved
+        reference._ONE_GRID_SLACK, reference._GATHER_BYTES = saved
     assert_bitwise(got, want, "per-class grids vs one grid", keys=("dkv",))
+    assert_bitwise(got_rows, want, "row-by-row gathers vs one gather", keys=("dkv",))
 
 
 @settings(max_examples=40, deadline=None)

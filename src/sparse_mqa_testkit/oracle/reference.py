@@ -30,6 +30,7 @@ from .. import contract
 _FLOAT_DTYPES = (np.float32, np.float64)
 # dkv: one grid for all kv rows while it holds at most this many cells per contribution, else one per class
 _ONE_GRID_SLACK = 2
+_GATHER_BYTES = 1 << 20  # the grouped sum gathers about this much at a time
 
 
 def to_numpy(x):
@@ -232,5 +233,10 @@ def _segment_sum(contrib, c: _Call):
     for members, at_row, at_rank, what, width in groups:
         grid = np.full((members.size, width), n, dtype=np.int64)  # n: the zero row
         grid[at_row, at_rank] = what
-        dkv[used[members]] = np.take(contrib, grid.reshape(-1), axis=0).reshape(members.size, width, d.Dqk).sum(1)
+        # gathered a block of rows at a time: the same sums, without one large fresh array per call
+        step = max(1, _GATHER_BYTES // (width * d.Dqk * contrib.itemsize))
+        for r0 in range(0, members.size, step):
+            g = grid[r0:r0 + step]
+            dkv[used[members[r0:r0 + step]]] = np.take(contrib, g.reshape(-1), axis=0).reshape(
+                g.shape[0], width, d.Dqk).sum(1)
     return dkv.reshape(d.B, d.Skv, d.Dqk)
