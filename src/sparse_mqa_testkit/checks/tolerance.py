@@ -302,7 +302,8 @@ def repeat_allowance(name: str, case, *, coef: float = REPEAT_COEF) -> float:
     lse = as_f64(f64["lse"])
     P = _slot_probs(case, lse)  # [B, S, H, L]
     kv = as_f64(x["kv"])
-    K = kv[torch.arange(case.B)[:, None, None], idx]  # [B, S, L, Dqk]
+    # invalid slots read row 0 here: zero them, so that a non-finite row no slot names cannot reach the sum
+    K = torch.where(valid[..., None], kv[torch.arange(case.B)[:, None, None], idx], 0.0)  # [B, S, L, Dqk]
     do = as_f64(x["grad_out"])
     dP = torch.einsum("bshd,bsld->bshl", do, K[..., : case.Dv])
     delta = (do * as_f64(f64["out"])).sum(-1)
