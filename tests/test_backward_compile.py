@@ -41,6 +41,28 @@ def test_dkv_reduction_is_integer_only(source):
         assert re.search(r"smqa_bulk_add_u64\(.*?\(&\(Acc\[", source)
 
 
+def _unguarded_reductions(src: str) -> list[str]:
+    """Bulk reductions into Acc whose destination row is not checked ``0 <= row`` just before (an invalid
+    slot's index must never become an address). Every reduction must name its row buffer recognisably."""
+    lines = src.splitlines()
+    bad, seen = [], 0
+    for i, line in enumerate(lines):
+        if "smqa_bulk_add_u64((" not in line:
+            continue
+        m = re.search(r"Acc\[\(*\(int64_t\)\(*(?:\(int\*\))?(\w+)\)?\[", line)
+        assert m, f"cannot tell which row this reduction writes: {line.strip()[:120]}"
+        seen += 1
+        name = m.group(1)
+        if not any(f"0 <= {name}[" in prev or f"0 <= ((int*){name})[" in prev for prev in lines[max(0, i - 4):i]):
+            bad.append(line.strip()[:120])
+    assert seen, "no bulk reduction found"
+    return bad
+
+
+def test_only_valid_rows_are_reduced(source):
+    assert not _unguarded_reductions(source)
+
+
 def _shared_ranges(src: str) -> dict:
     """name -> byte offset of each buffer carved out of the kernel's dynamic shared memory."""
     return {m.group(1): int(m.group(2)) for m in
@@ -60,6 +82,7 @@ def test_single_role_body_reduces_integers_only(variant, config):
     for bad in FLOAT_ATOMICS:
         assert bad not in src, f"{config}: floating-point atomic or reduction {bad!r} in the generated CUDA"
     assert re.search(r"smqa_bulk_add_u64\(.*?\(&\(Acc\[", src), config
+    assert not _unguarded_reductions(src)
 
 
 def test_warp_specialised_roles_are_separate(source):
