@@ -26,6 +26,7 @@ and 2.35e-3 (dkv) on that shape, and there ``delta`` adds 2% to the bound (dq: a
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from .. import contract
 from .inputs import (BACKWARD_OUTPUTS, FORWARD_OUTPUTS, as_f64, backend_inputs, call_backward, call_forward,
@@ -210,20 +211,28 @@ def _p_sink(lse, sink):
     return torch.nan_to_num(p, nan=0.0)
 
 
-def _slot_probs(case, lse):
-    """P [B, S, H, L] in float64 from the inputs and the oracle's lse (0 on invalid slots and empty rows)."""
+@lru_cache(maxsize=2)  # one case is checked at a time, and its float64 slot tensors can be large
+def _case_terms(case) -> dict:
+    """What the allowances share, computed once per case (float64 torch; read-only by convention).
+
+    x: the case's inputs; f64: the oracle's float64 results; valid [B, S, L]; idx [B, S, L] (0 on invalid
+    slots); K [B, S, L, Dqk] the slots' kv rows (zero on invalid slots, so no row a slot does not name reaches
+    a sum); P [B, S, H, L] from the inputs and the oracle's lse (0 on invalid slots and empty rows); q, dO.
+    """
     import numpy as np
     import torch
 
     x = case.inputs()
+    f64 = oracle_results(case)["f64"]
     valid = torch.from_numpy(contract.valid_mask(x["indices"], case.Skv, x["topk_length"]))
-    safe = torch.where(valid, torch.from_numpy(x["indices"].astype(np.int64)), 0)
-    kv = as_f64(x["kv"])
-    K = kv[torch.arange(case.B)[:, None, None], safe]  # [B, S, L, Dqk]
-    s = torch.einsum("bshd,bsld->bshl", as_f64(x["q"]), K) * case.scale
+    idx = torch.where(valid, torch.from_numpy(x["indices"].astype(np.int64)), 0)
+    K = torch.where(valid[..., None], as_f64(x["kv"])[torch.arange(case.B)[:, None, None], idx], 0.0)
+    q = as_f64(x["q"])
+    lse = as_f64(f64["lse"])
+    s = torch.einsum("bshd,bsld->bshl", q, K) * case.scale
     denom = lse if x["attn_sink"] is None else torch.logaddexp(lse, as_f64(x["attn_sink"]).expand_as(lse))
-    P = torch.exp(s - denom[..., None])
-    return torch.where(valid[:, :, None, :] & torch.isfinite(denom)[..., None], P, 0.0)
+    P = torch.where(valid[:, :, None, :] & torch.isfinite(denom)[..., None], torch.exp(s - denom[..., None]), 0.0)
+    return dict(x=x, f64=f64, valid=valid, idx=idx, K=K, P=P, q=q, dO=as_f64(x["grad_out"]), lse=lse)
 
 
 def delta_allowance(name: str, case, *, coef: float = DELTA_COEF) -> float:
@@ -242,17 +251,15 @@ def delta_allowance(name: str, case, *, coef: float = DELTA_COEF) -> float:
 
     if name not in ("dq", "dkv", "d_sink"):
         return 0.0
-    f64 = oracle_results(case)["f64"]
-    x = case.inputs()
-    do = as_f64(x["grad_out"])
-    e_delta = torch.linalg.vector_norm(do * as_f64(f64["out"]), dim=-1)  # [B, S, H]
-    lse = as_f64(f64["lse"])
+    t = _case_terms(case)
+    f64, x, lse = t["f64"], t["x"], t["lse"]
+    e_delta = torch.linalg.vector_norm(t["dO"] * as_f64(f64["out"]), dim=-1)  # [B, S, H]
     if name == "dq":
         m = case.scale * e_delta[..., None] * as_f64(f64["out_full"]).abs()
         return coef * float(torch.linalg.vector_norm(m))
     if name == "dkv":
-        p2 = (_slot_probs(case, lse) ** 2).sum(-1)  # [B, S, H]
-        q2 = (as_f64(x["q"]) ** 2).sum(-1)
+        p2 = (t["P"] ** 2).sum(-1)  # [B, S, H]
+        q2 = (t["q"] ** 2).sum(-1)
         return coef * case.scale * float(torch.sqrt((p2 * q2 * e_delta ** 2).sum()))
     if x["attn_sink"] is None:
         return 0.0
@@ -287,31 +294,22 @@ def repeat_allowance(name: str, case, *, coef: float = REPEAT_COEF) -> float:
     with coef one rounding's worst case. Zero when no row repeats; Skv = 1 (every slot on one row) and
     L > Skv are where it matters.
     """
-    import numpy as np
     import torch
 
     if name not in ("dq", "dkv"):
         return 0.0
-    x = case.inputs()
-    valid = torch.from_numpy(contract.valid_mask(x["indices"], case.Skv, x["topk_length"]))
-    idx = torch.where(valid, torch.from_numpy(x["indices"].astype(np.int64)), 0)
-    extra = (_repeats(valid, idx) - 1).clamp_min(0).to(torch.float64)  # [B, S, L]
+    t = _case_terms(case)
+    extra = (_repeats(t["valid"], t["idx"]) - 1).clamp_min(0).to(torch.float64)  # [B, S, L]
     if not bool((extra > 0).any()):
         return 0.0
-    f64 = oracle_results(case)["f64"]
-    lse = as_f64(f64["lse"])
-    P = _slot_probs(case, lse)  # [B, S, H, L]
-    kv = as_f64(x["kv"])
-    # invalid slots read row 0 here: zero them, so that a non-finite row no slot names cannot reach the sum
-    K = torch.where(valid[..., None], kv[torch.arange(case.B)[:, None, None], idx], 0.0)  # [B, S, L, Dqk]
-    do = as_f64(x["grad_out"])
+    P, K, do = t["P"], t["K"], t["dO"]
     dP = torch.einsum("bshd,bsld->bshl", do, K[..., : case.Dv])
-    delta = (do * as_f64(f64["out"])).sum(-1)
+    delta = (do * as_f64(t["f64"]["out"])).sum(-1)
     dS = torch.nan_to_num(P * (dP - delta[..., None]), nan=0.0, posinf=0.0, neginf=0.0)
     w = extra[:, :, None, :]  # [B, S, 1, L]
     if name == "dkv":
         p_term = (w * P ** 2).sum(-1) * (do ** 2).sum(-1)
-        s_term = case.scale ** 2 * (w * dS ** 2).sum(-1) * (as_f64(x["q"]) ** 2).sum(-1)
+        s_term = case.scale ** 2 * (w * dS ** 2).sum(-1) * (t["q"] ** 2).sum(-1)
         return coef * float(torch.sqrt((p_term + s_term).sum()))
     kv2 = (K ** 2).sum(-1)[:, :, None, :]  # [B, S, 1, L]
     return coef * case.scale * float(torch.sqrt((w * dS ** 2 * kv2).sum()))
