@@ -92,19 +92,19 @@ def bf16_ulp(x):
 
 
 def compare_tensor(name: str, kernel, oracle64, ref64, *, k: float = K_DEFAULT, floor: float | None = None,
-                   extra: dict | float = 0.0):
+                   extra: dict | None = None):
     """Compare one result with the float64 oracle under the error model.
 
     extra: absolute L2 errors of the bf16 model that output rounding does not show, by source
-    ({"Delta": ``delta_allowance``, "repeated rows": ``repeat_allowance``}; a number means {"Delta": number});
-    they join the rounding error in quadrature before k applies.
+    ({"Delta": ``delta_allowance``, "repeated rows": ``repeat_allowance``}); they join the rounding error in
+    quadrature before k applies.
     Returns (entry, problem): entry has error, allowed, ratio, reference_error, floor, k, mode, mismatches,
     numel, worst_index, worst_kernel, worst_oracle; problem is a message block or None when it passes.
     """
     import torch
 
     a, o, r = as_f64(kernel), as_f64(oracle64), as_f64(ref64)
-    extra = dict(extra) if isinstance(extra, dict) else {"Delta": float(extra)}
+    extra = extra or {}
     if floor is None:
         n = max(int(torch.isfinite(o).sum()), 1)
         small = SMALL_SAMPLE / math.sqrt(n) if contract.KERNEL_DTYPES.get(name) == "bfloat16" else 0.0
