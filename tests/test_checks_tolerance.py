@@ -260,8 +260,9 @@ def test_delta_allowance_is_what_lets_a_peaked_softmax_pass(monkeypatch):
 
 def test_repeat_allowance_is_what_lets_coherent_rounding_pass(monkeypatch):
     # Skv = 1: all 15 slots name one row, P = 1/15 rounds to bf16 the same way 15 times and P^T dO carries that
-    # one rounding 15 times (found by the conformance suite on an H200 and in the NumPy model alike)
-    case = Case(S=1, Skv=1, H=1, L=15, Dqk=576, Dv=512)
+    # one rounding 15 times (found by the conformance suite on an H200 and in the NumPy model alike); a small
+    # sm_scale keeps the Delta term (sm_scale dDelta q per slot) from covering it as well
+    case = Case(S=1, Skv=1, H=1, L=15, Dqk=576, Dv=512, sm_scale=0.01)
     res = check_backward_tolerance(EmulatedKernel(), case)
     assert res.passed, res.message
     assert res.per_tensor["dkv"]["repeat_error"] > res.per_tensor["dkv"]["reference_error"]
@@ -283,6 +284,35 @@ def test_repeat_allowance_counts_only_repeated_rows():
     dup = Case(S=4, Skv=3, H=3, L=16, sink="finite", seed=2)  # L > Skv: rows repeat
     assert repeat_allowance("dkv", dup) > 0 and repeat_allowance("dq", dup) > 0
     assert repeat_allowance("d_sink", dup) == 0.0
+
+
+def test_delta_allowance_moves_repeated_slots_together(monkeypatch):
+    # Skv = 1 with sm_scale 0.5 and a finite sink (found by the conformance suite on an H200, the NumPy model
+    # alike): dS = P (dP - Delta) cancels, every valid slot names row 0, and the one dDelta of a (query, head)
+    # shifts that row once per slot, coherently; slots counted as independent allowed sqrt(m) of m
+    case = Case(S=13, Skv=1, H=1, L=15, Dqk=576, Dv=512, sm_scale=0.5, sink="finite", topk="random",
+                invalid="empty_rows", seed=4)
+    res = check_backward_tolerance(EmulatedKernel(), case)
+    assert res.passed, res.message
+    import sparse_mqa_testkit.checks.tolerance as tol
+
+    monkeypatch.setattr(tol, "_grouped_square_sum", lambda valid, idx, P: (P ** 2).sum(-1))
+    res = check_backward_tolerance(EmulatedKernel(), case)
+    assert not res.passed and "dkv:" in res.message
+
+
+def test_grouped_square_sum_adds_repeated_slots_before_squaring():
+    from sparse_mqa_testkit.checks.tolerance import _grouped_square_sum
+
+    idx = torch.tensor([[[3, 3, 1, 3, 0], [2, 2, 2, 2, 2]]])
+    valid = torch.tensor([[[True, True, True, False, True], [True, True, False, False, False]]])
+    P = torch.tensor([[[[0.1, 0.2, 0.3, 0.0, 0.4]], [[0.5, 0.25, 0.0, 0.0, 0.0]]]], dtype=torch.float64)
+    got = _grouped_square_sum(valid, idx, P)
+    assert got.shape == (1, 2, 1)
+    assert torch.allclose(got.flatten(), torch.tensor([0.3 ** 2 + 0.3 ** 2 + 0.4 ** 2, 0.75 ** 2], dtype=torch.float64))
+    distinct = torch.tensor([[[0, 1, 2, 3, 4]]])
+    Pd = torch.rand(1, 1, 3, 5, dtype=torch.float64)
+    assert torch.allclose(_grouped_square_sum(torch.ones(1, 1, 5, dtype=torch.bool), distinct, Pd), (Pd ** 2).sum(-1))
 
 
 def test_compare_tensor_shape_mismatch_is_a_problem_not_a_broadcast():

@@ -240,12 +240,13 @@ def delta_allowance(name: str, case, *, coef: float = DELTA_COEF) -> float:
 
     The float64 oracle recomputes out exactly; a kernel reads the rounded one, so Delta is off by up to
     DELTA_COEF ||dO * out|| per row (e_Delta). That shifts dS_t by P_t dDelta, hence dq by sm_scale dDelta
-    sum_t P_t kv_t, dkv rows by sm_scale P_t dDelta q and d_sink by sum p_sink dDelta (rows independent, so
-    their shifts add in L2). Small at production sizes (dq: 0.19x the rounding error at the calibration shape;
-    d_sink, a sum of p_sink Delta, is the exception: its float32 rounding is ~1e-7, so this term is its whole
-    bound), it dominates wherever dS cancels (a peaked softmax, one valid slot, every slot on one row), which
-    a purely relative tolerance misreads as a bug: without it the emulation failed dkv on 576/512 cases at up
-    to 3x the bound.
+    sum_t P_t kv_t, dkv row j by sm_scale dDelta q P summed over the slots naming j (one dDelta for all slots
+    of a (query, head): repeated slots shift their row together, not independently) and d_sink by
+    sum p_sink dDelta (rows of out independent, so their shifts add in L2). Small at production sizes (dq:
+    0.19x the rounding error at the calibration shape; d_sink, a sum of p_sink Delta, is the exception: its
+    float32 rounding is ~1e-7, so this term is its whole bound), it dominates wherever dS cancels (a peaked
+    softmax, one valid slot, every slot on one row), which a purely relative tolerance misreads as a bug:
+    without it the emulation failed dkv on 576/512 cases at up to 3x the bound.
     """
     import torch
 
@@ -258,7 +259,7 @@ def delta_allowance(name: str, case, *, coef: float = DELTA_COEF) -> float:
         m = case.scale * e_delta[..., None] * as_f64(f64["out_full"]).abs()
         return coef * float(torch.linalg.vector_norm(m))
     if name == "dkv":
-        p2 = (t["P"] ** 2).sum(-1)  # [B, S, H]
+        p2 = _grouped_square_sum(t["valid"], t["idx"], t["P"])  # [B, S, H]: sum over KV rows of (sum P)^2
         q2 = (t["q"] ** 2).sum(-1)
         return coef * case.scale * float(torch.sqrt((p2 * q2 * e_delta ** 2).sum()))
     if x["attn_sink"] is None:
@@ -270,17 +271,38 @@ def delta_allowance(name: str, case, *, coef: float = DELTA_COEF) -> float:
 REPEAT_COEF = 2.0 ** -8  # one bf16 rounding, at most 2^-8 relative, counted once per repeated slot
 
 
-def _repeats(valid, idx):
-    """For each slot, how many valid slots of its query row name the same KV row (0 on invalid slots)."""
+def _row_groups(valid, idx):
+    """Group id of each slot, [B * S * L]: the valid slots of one query row naming one KV row share an id;
+    an invalid slot has an id of its own. Also the group sizes."""
     import torch
 
     B, S, L = idx.shape
     row = torch.arange(B * S).reshape(B, S, 1).expand(B, S, L)
     span = (int(idx.max()) + 1) if idx.numel() else 1
-    # invalid slots get keys of their own (negative), so they never count as a repeat
     key = torch.where(valid, row * span + idx, -1 - torch.arange(B * S * L).reshape(B, S, L))
     _, inv, counts = torch.unique(key.reshape(-1), return_inverse=True, return_counts=True)
-    return torch.where(valid, counts[inv].reshape(B, S, L), 0)
+    return inv, counts
+
+
+def _repeats(valid, idx):
+    """For each slot, how many valid slots of its query row name the same KV row (0 on invalid slots)."""
+    import torch
+
+    inv, counts = _row_groups(valid, idx)
+    return torch.where(valid, counts[inv].reshape(idx.shape), 0)
+
+
+def _grouped_square_sum(valid, idx, P):
+    """[B, S, H]: sum over the KV rows a query row names of (sum of P over the slots naming that row)^2;
+    sum_t P_t^2 when no row repeats."""
+    import torch
+
+    B, S, H, L = P.shape
+    inv, counts = _row_groups(valid, idx)
+    sums = torch.zeros(len(counts), H, dtype=P.dtype).index_add_(0, inv, P.permute(0, 1, 3, 2).reshape(-1, H))
+    owner = torch.zeros(len(counts), dtype=torch.long)  # the query row (b * S + s) of each group
+    owner[inv] = torch.arange(B * S).repeat_interleave(L)
+    return torch.zeros(B * S, H, dtype=P.dtype).index_add_(0, owner, sums ** 2).reshape(B, S, H)
 
 
 def repeat_allowance(name: str, case, *, coef: float = REPEAT_COEF) -> float:
