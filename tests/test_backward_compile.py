@@ -85,6 +85,16 @@ def test_single_role_body_reduces_integers_only(variant, config):
     assert not _unguarded_reductions(src)
 
 
+@pytest.mark.parametrize("variant", [v for v in bwd_plan.variants(((576, 512), (512, 512))) if v[2] < 64]
+                         + [ANCHOR], ids=lambda v: "Dqk{}-hg{}-bi{}".format(v[0], v[2], v[3]))
+def test_single_role_body_shares_no_shared_memory(variant):
+    """q, dO and the KV tile live across the top-k loop; a shared-memory merge once gave the int64 staging q's
+    address (Dqk 512, 16-head groups: NaN dq from the second top-k block on, found by the suite on an H200)."""
+    offsets = _shared_ranges(backward.kernel_source(variant, ws=False))
+    assert {"Q_shared", "dO_shared", "KV_shared", "stage"} <= set(offsets), offsets
+    assert len(set(offsets.values())) == len(offsets), offsets
+
+
 def test_warp_specialised_roles_are_separate(source):
     """The 64-head body: three roles with their own register budgets (setmaxnreg.inc draws only on what
     setmaxnreg.dec released in the block: a budget over the launch's 168 per thread would hang), their own
