@@ -78,7 +78,8 @@ def precision() -> int:
 
 # kernel configurations timed against each other by --compare (the first is the reference for agreement)
 CONFIGS = (
-    dict(),  # the default: warp-specialised body, 8 staging rows x 1 buffer per consumer
+    dict(),  # the default: warp-specialised body, 8 staging rows x 1 buffer per consumer, both rounds deferred
+    dict(defer=0),  # a block's staging rounds sent right after its dkv product
     dict(stage_rows=4, stage_bufs=2),  # more, smaller staging rounds
     dict(ws=False),  # single-role body: every thread does every step in turn
 )

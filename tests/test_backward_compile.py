@@ -127,5 +127,34 @@ def test_staging_configuration_is_validated():
         backward.build_program(ANCHOR, stage_rows=16, stage_bufs=1)
     with pytest.raises(ValueError, match="threads does not apply"):
         backward.build_program(ANCHOR, threads=256)
+    with pytest.raises(ValueError, match=r"defer must be in \[0, 2\]"):
+        backward.build_program(ANCHOR, defer=3)
+    with pytest.raises(ValueError, match="defer must be in"):
+        backward.build_program(ANCHOR, defer=True)
+    with pytest.raises(ValueError, match="defer applies only to the warp-specialised body"):
+        backward.build_program(SMALL_GROUP, defer=0)
     assert backward.staging(ANCHOR) == backward.STAGING["ws"]
     assert backward.staging(SMALL_GROUP) == backward.STAGING["single"]
+
+
+@pytest.mark.parametrize("defer", [0, 1])
+def test_every_round_placement_reduces_valid_rows_only(defer):
+    """Rounds sent right after a block's dkv product (defer 0), or in the next block's (the default defers
+    both: the ``source`` fixture): each placement sends every round once, guarded by its row's validity."""
+    src = backward.kernel_source(ANCHOR, defer=defer)
+    assert not _unguarded_reductions(src)
+    for bad in FLOAT_ATOMICS:
+        assert bad not in src, f"defer={defer}: floating-point atomic or reduction {bad!r}"
+
+
+def test_prep_pass_compiles_without_atomics():
+    """``bwd_prep`` (Delta and the fixed-point bound per query row): fixed-order sums, no atomic of any kind,
+    both head dims of the contract."""
+    from sparse_mqa_testkit import contract
+    from sparse_mqa_testkit.kernels import bwd_prep
+
+    for dqk, dv in contract.KERNEL_DIMS:
+        src = bwd_prep.compiled(dqk, dv).get_kernel_source()
+        assert "smqa_bwd_prep_kernel" in src
+        assert "atomic" not in src.lower() and "red.global" not in src
+        assert re.search(r"float\* __restrict__ Delta", src) and re.search(r"float\* __restrict__ Bound", src)

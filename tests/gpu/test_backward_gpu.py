@@ -167,7 +167,37 @@ def test_both_kernel_bodies_give_the_same_bits(case):
     t = backend_inputs(BACKEND, case)
     args = (t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"], t["sm_scale"])
     ref = sparse_mla_backward(*args, topk_length=t["topk_length"], ws=False)
-    for kw in (dict(), dict(stage_rows=4, stage_bufs=2)):
+    for kw in (dict(), dict(defer=0), dict(stage_rows=4, stage_bufs=2)):
         got = sparse_mla_backward(*args, topk_length=t["topk_length"], **kw)
         for name, a, b in zip(("dq", "dkv", "d_sink"), got, ref):
             assert (a is None and b is None) or torch.equal(a, b), f"{name} differs from ws=False with {kw}"
+
+
+@pytest.mark.parametrize("H, dims", [(1, (576, 512)), (17, (576, 512)), (64, (512, 512))])
+def test_prep_pass_matches_its_formulas(H, dims):
+    """``bwd_prep``: Delta = <out, dO> to float32 summation error, the fixed-point exponent F the largest with
+    G 2**F <= 2**(ACC_BITS - HEADROOM_BITS) for G = sum over rows of c Vmax max|q| |dO| + max|dO| (computed
+    here in float64), heads past H (a step of 4 heads is padded at H = 1, 17) adding nothing; bitwise repeats."""
+    from sparse_mqa_testkit.kernels import backward, bwd_plan
+
+    Dqk, Dv = dims
+    g = torch.Generator(device="cuda").manual_seed(H)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+    B, S, sm_scale = 2, 37, 0.07
+    q, out, go, kv = rnd(B, S, H, Dqk, scale=3.0), rnd(B, S, H, Dv), rnd(B, S, H, Dv, scale=1e-3), rnd(B, 50, Dqk)
+    delta, fx, F = backward._prep(q, kv, out, go, sm_scale, Dv)
+    again = backward._prep(q, kv, out, go, sm_scale, Dv)
+    assert all(torch.equal(a, b) for a, b in zip((delta, fx, F), again))
+    ref = (out.double() * go.double()).sum(-1)
+    bound = (out.double().abs() * go.double().abs()).sum(-1)
+    assert ((delta.double() - ref).abs() <= 1e-6 * bound + 1e-30).all()
+    vmax = kv[..., :Dv].double().norm(dim=-1).max()
+    G = (abs(sm_scale) * bwd_plan.DS_BOUND_FACTOR * vmax * q.double().abs().amax(-1) * go.double().norm(dim=-1)
+         + go.double().abs().amax(-1)).sum().item()
+    top = 2.0 ** (bwd_plan.ACC_BITS - bwd_plan.HEADROOM_BITS)
+    f = int(F.item())
+    assert fx.item() == 2.0 ** f
+    assert G * 2.0 ** f <= top * (1 + 1e-5) and G * 2.0 ** (f + 1) > top * (1 - 1e-5), (G, f)

@@ -21,9 +21,10 @@ Determinism by construction
     (query, slot, head group) naming them, in an order the scheduler picks; so each fp32 contribution is
     rounded once to an integer multiple of 2**-F and summed in int64 (issue 6, lead (a)). Integer addition
     is associative: the accumulator holds the exact sum of the rounded terms whatever the order, and one
-    final pass turns accumulator * 2**-F into bf16. Delta, the kernel LSE, the bound for F and
-    d_sink = -sum p_sink Delta are torch reductions on fixed shapes (tree reductions, no atomics); d_sink is
-    summed per query chunk, then over chunks in order. No floating-point atomic is issued anywhere
+    final pass turns accumulator * 2**-F into bf16. Delta and each query row's term of the bound for F come
+    from one pass over q, out and dO (``bwd_prep``, fixed-order sums); the kernel LSE, the rest of the bound
+    and d_sink = -sum p_sink Delta are torch reductions on fixed shapes (tree reductions, no atomics); d_sink
+    is summed per query chunk, then over chunks in order. No floating-point atomic is issued anywhere
     (tests/test_backward_compile.py reads the generated CUDA).
 
 How the int64 sums reach memory
@@ -46,18 +47,21 @@ Fixed point and precision
     reduction bytes and was not needed by any case measured here.
 
 What was measured (one H200; anchor B1 S4096 Skv8192 H64 L2048 576/512, finite sink; BENCHMARKS.md)
-    Warp-specialised body, 8 staging rows x 1 buffer per consumer (the default): 23.2 ms at the anchor,
-    8.96 ms at L512, 45.0 ms at H128; 4 rows x 2 buffers 26.4 / 9.77 / 51.3; 4 x 1 26.8 / 9.86 / 52.1;
-    2 x 3 35.4 / 12.0 / 68.9. The single-role body at 64 heads: 34.2 / 12.0 / 67.3. Fewer, larger staging
-    rounds win: each round costs two consumer barriers and a wait for the TMA engine to read the previous
-    round, and 47 KB of shared memory is all that is left for staging beside q, dO and the KV ring, so a whole
-    top-k block (74 KB of int64) cannot be staged at once. The int64 reduction still bounds the kernel: 38.7 GB
-    at the anchor move at ~1.7 TB/s, half of what a bare bulk-reduction microbenchmark reaches.
+    Whole call (prep, kernel, final conversion), as committed: 16.0 ms at the anchor, 5.12 ms at L512,
+    31.2 ms at H128; cuDNN's atomic backward in the same process 7.0 / 1.90 / 14.0 ms (2.3x / 2.7x / 2.2x).
+    The steps there, anchor / L512 / H128 in ms, each kept only where it won (all give the same bits): the
+    first warp-specialised version 23.2 / 8.96 / 45.0; deferring a block's staging rounds into the next block
+    (``defer=2``) 22.2 / 8.73 / 43.5; padded staging rows with dkv^T on wgmma 19.2 / 8.10 / 37.8; the rope
+    tail moved to consumer 1 18.9 / 8.04 / 37.3; ``bwd_prep`` instead of float32 torch expressions for Delta
+    and the bound (3.4 ms -> 0.49 ms at the anchor) 16.1 / 5.12 / 31.5. Per-phase clock64 traces showed where
+    a block's time went (about 6800 clocks at the anchor, 4900 without the bulk reductions): the consumers
+    still wait for the TMA engine to finish reading a staging round, because 47 KB of shared memory is all
+    that is left for staging beside q, dO and the KV ring and a whole top-k block's rows take 74 KB. More,
+    smaller rounds (4 rows x 2 buffers) measured slower at every step, and so did other round placements and
+    splits of the tail. The single-role body at 64 heads (``ws=False``): 31.2 / 9.15 / 61.4.
     Single-role body, earlier measurements (all the same bits): topk_block 16 beats 32 (no spill), bulk beats
     atomic (34.1 vs 41.2 ms), prefetching the next block with cp.async, two wide products instead of five,
-    per-warp staging and deeper staging rings were each no faster; ablations showed the gather (~6.5 ms) and
-    the staged reduction (~15 ms with its products) serialised with the products, which the warp-specialised
-    body now overlaps.
+    per-warp staging and deeper staging rings were each no faster.
 
 Why not (b) buffer + CSR + ordered reduction, or (c) shards: both move the [S, L, Dqk] fp32 contributions
     through memory at least twice (write, then read to reduce); the bulk int64 reduction moves them once, at
@@ -70,7 +74,7 @@ import functools
 
 from .. import contract
 from ..backends.validate import check_backward_args
-from . import bwd_plan
+from . import bwd_plan, bwd_prep
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -85,6 +89,8 @@ WS = True
 # (rows per staging round, staging buffers) by body: the single-role body's two buffers are shared by the
 # block; the warp-specialised body's are per consumer (module docstring: fewer, larger rounds win)
 STAGING = {"single": (4, 2), "ws": (8, 1)}
+# warp-specialised body: how many of a block's staging rounds go out during the next block's products
+DEFER = 2
 
 # Inline PTX for the bulk reduction (TileLang 0.1.15 has only the .f32 flavour of the bulk reduction).
 _PRELUDE = r"""
@@ -126,7 +132,8 @@ def staging(variant: tuple, ws: bool = WS, reduce: str = REDUCE, stage_rows: int
 
 
 def build_program(variant: tuple, reduce: str = REDUCE, stage_rows: int | None = None,
-                  stage_bufs: int | None = None, threads: int | None = None, ws: bool = WS):
+                  stage_bufs: int | None = None, threads: int | None = None, ws: bool = WS,
+                  defer: int | None = None):
     """The TileLang prim_func of one variant (Dqk, Dv, head_group, topk_block); sizes are symbolic."""
     if reduce not in REDUCE_MODES:
         raise ValueError(f"reduce must be one of {REDUCE_MODES}, got {reduce!r}")
@@ -141,7 +148,11 @@ def build_program(variant: tuple, reduce: str = REDUCE, stage_rows: int | None =
             raise ValueError(f"threads does not apply to the warp-specialised body (ws=True), got {threads!r}")
         from . import backward_ws
 
-        return backward_ws.build_program(variant, _PRELUDE, rows, bufs)
+        if defer is None:
+            defer = min(DEFER, variant[3] // rows)
+        return backward_ws.build_program(variant, _PRELUDE, rows, bufs, defer)
+    if defer is not None:
+        raise ValueError(f"defer applies only to the warp-specialised body (64-head groups, ws=True), got {defer!r}")
     if bufs != 2:
         raise ValueError(f"the single-role body double-buffers its staging: stage_bufs must be 2, got {bufs}")
     return _single_role_program(variant, reduce, rows, threads)
@@ -316,11 +327,11 @@ def _single_role_program(variant: tuple, reduce: str, stage_rows: int, threads: 
 
 @functools.lru_cache(maxsize=None)
 def compiled(variant: tuple, reduce: str = REDUCE, stage_rows: int | None = None, stage_bufs: int | None = None,
-             threads: int | None = None, ws: bool = WS):
+             threads: int | None = None, ws: bool = WS, defer: int | None = None):
     """The compiled kernel of one variant (TileLang's disk cache under TILELANG_CACHE_DIR makes reloads cheap)."""
     import tilelang
 
-    program = build_program(variant, reduce, stage_rows, stage_bufs, threads, ws)
+    program = build_program(variant, reduce, stage_rows, stage_bufs, threads, ws, defer)
     configs = {}
     if not uses_ws(variant, ws, reduce):
         # the single-role body: no automatic warp specialisation, and no aggressive shared-memory merge: its
@@ -331,9 +342,10 @@ def compiled(variant: tuple, reduce: str = REDUCE, stage_rows: int | None = None
 
 
 def kernel_source(variant: tuple, reduce: str = REDUCE, stage_rows: int | None = None,
-                  stage_bufs: int | None = None, threads: int | None = None, ws: bool = WS) -> str:
+                  stage_bufs: int | None = None, threads: int | None = None, ws: bool = WS,
+                  defer: int | None = None) -> str:
     """Generated CUDA of one variant (compiles it if needed)."""
-    return compiled(variant, reduce, stage_rows, stage_bufs, threads, ws).get_kernel_source()
+    return compiled(variant, reduce, stage_rows, stage_bufs, threads, ws, defer).get_kernel_source()
 
 
 def precompile() -> list[str]:
@@ -342,28 +354,34 @@ def precompile() -> list[str]:
     for v in bwd_plan.variants(contract.KERNEL_DIMS):
         compiled(v)
         out.append("sparse_mla_bwd Dqk={} Dv={} head_group={} topk_block={}".format(*v))
+    for dqk, dv in contract.KERNEL_DIMS:
+        bwd_prep.compiled(dqk, dv)
+        out.append(f"smqa_bwd_prep Dqk={dqk} Dv={dv}")
     return out
 
 
-def _fixed_point_scale(q, kv, grad_out, sm_scale, d_v):
-    """2**F and F as device tensors (float32, int) from ``model.dkv_bound``'s formula, without a host sync."""
+def _prep(q, kv, out, grad_out, sm_scale, d_v):
+    """Delta [B, S, H] and the fixed point (2**F as a float32 tensor, F) on the device, without a host sync.
+
+    ``bwd_prep`` computes Delta and each query row's term of ``model.dkv_bound``'s bound in one pass over q,
+    out and dO; Vmax (over the KV rows) and the sum over query rows are torch reductions on fixed shapes.
+    """
     import torch
 
+    B, S, H, Dqk = q.shape
     kvf = kv[..., :d_v].float()
     vnorm = kvf.mul(kvf).sum(-1).sqrt()
-    vmax = torch.where(torch.isfinite(vnorm), vnorm, torch.zeros_like(vnorm)).amax()
-    gof = grad_out.float()
-    qmax = q.float().abs().amax(-1)
-    gnorm = gof.mul(gof).sum(-1).sqrt()
-    gmax = gof.abs().amax(-1)
-    per = (abs(sm_scale) * bwd_plan.DS_BOUND_FACTOR) * vmax * qmax * gnorm + gmax
-    G = per.sum()
+    vmax = torch.where(torch.isfinite(vnorm), vnorm, torch.zeros_like(vnorm)).amax().reshape(1)
+    delta = torch.empty((B, S, H), dtype=torch.float32, device=q.device)
+    rows = torch.empty((B, S), dtype=torch.float32, device=q.device)
+    bwd_prep.compiled(Dqk, d_v)(q, out, grad_out, vmax, delta, rows, abs(sm_scale) * bwd_plan.DS_BOUND_FACTOR)
+    G = rows.sum()
     e = torch.ceil(torch.log2(G))
     F = (bwd_plan.ACC_BITS - bwd_plan.HEADROOM_BITS) - e
     F = torch.clamp(F, bwd_plan.F_MIN, bwd_plan.F_MAX)
     F = torch.where(G == 0, torch.full_like(F, bwd_plan.F_MAX), F)
     F = torch.where(torch.isfinite(G), F, torch.zeros_like(F))
-    return torch.exp2(F).reshape(1).float(), F
+    return delta, torch.exp2(F).reshape(1).float(), F
 
 
 def _kernel_lse(lse, attn_sink):
@@ -389,7 +407,7 @@ def _sink_probability(lse, attn_sink):
 def sparse_mla_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None,
                         max_query_chunk: int = bwd_plan.MAX_QUERY_CHUNK, reduce: str = REDUCE,
                         stage_rows: int | None = None, stage_bufs: int | None = None, threads: int | None = None,
-                        topk_block: int | None = None, ws: bool = WS):
+                        topk_block: int | None = None, ws: bool = WS, defer: int | None = None):
     """Contract backward on the GPU: ``(dq bf16, dkv bf16, d_sink fp32 or None)``, bitwise deterministic.
 
     Arguments are validated (shapes, kernel dtypes, device, supported dims) before any GPU work. The keyword
@@ -402,7 +420,7 @@ def sparse_mla_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
     sm_scale = float(sm_scale)
     plan = bwd_plan.make_plan(dims.B, dims.S, dims.Skv, dims.H, dims.L, dims.Dqk, dims.Dv,
                               max_query_chunk=max_query_chunk, topk_block=topk_block)
-    kernel = compiled(plan.variant, reduce, stage_rows, stage_bufs, threads, ws)
+    kernel = compiled(plan.variant, reduce, stage_rows, stage_bufs, threads, ws, defer)
     dev = q.device
     q, kv, out, grad_out, lse, indices = (t.contiguous() for t in (q, kv, out, grad_out, lse, indices))
     with torch.cuda.device(dev):
@@ -410,9 +428,8 @@ def sparse_mla_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
             tl = torch.full((dims.B, dims.S), dims.L, dtype=torch.int32, device=dev)
         else:
             tl = topk_length.contiguous()
-        delta = (out.float() * grad_out.float()).sum(-1)  # [B, S, H]
+        delta, fx, F = _prep(q, kv, out, grad_out, sm_scale, dims.Dv)
         lse2 = _kernel_lse(lse, attn_sink).contiguous()
-        fx, F = _fixed_point_scale(q, kv, grad_out, sm_scale, dims.Dv)
         acc = torch.zeros((dims.B, dims.Skv, dims.Dqk), dtype=torch.int64, device=dev)
         dq = torch.empty((dims.B, dims.S, dims.H, dims.Dqk), dtype=torch.bfloat16, device=dev)
         partials = []

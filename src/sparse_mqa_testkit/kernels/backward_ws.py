@@ -6,13 +6,19 @@ instead of taking turns:
 
 - producer warpgroup: reads each top-k block's indices, applies the contract's validity rule and gathers only
   valid KV rows with cp.async into a two-stage ring (an invalid slot's row is never addressed);
-- consumer 0: scores S = Q K^T, P (masked to 0 on invalid slots), dq[:, :Dv/2] and the rope tail, and dkv's
-  columns [0, Dv/2) and the tail;
-- consumer 1: dP = dO V^T, dS = P (dP - Delta) sm_scale, dq[:, Dv/2:Dv] and dkv's columns [Dv/2, Dv).
+- consumer 0: scores S = Q K^T, P (masked to 0 on invalid slots), dq[:, :Dv/2] and dkv's columns [0, Dv/2);
+- consumer 1: dP = dO V^T, dS = P (dP - Delta) sm_scale, dq[:, Dv/2:] and dkv's columns [Dv/2, Dqk), the rope
+  tail included (consumer 0 already has the longer scores product, and consumer 1 used to wait for its P).
+dkv is computed transposed, dkv^T = Q^T dS + dO^T P, so that its products run on wgmma with the 256 columns
+as M (a 16-slot block as M only fits mma.sync, which was ~2x slower here).
+
 Each consumer rounds its own dkv columns to int64 and sends them with ``cp.reduce.async.bulk .add.u64`` from
 its own staging ring (``stage_rows`` rows x ``stage_bufs`` buffers), synchronising only its own 128 threads.
-It waits for the TMA engine only before rewriting a buffer whose last reduction is still reading it, so the
-last round of a block is read while the next block's products run.
+It waits for the TMA engine only before rewriting a buffer whose last reduction is still reading it, and
+``defer`` moves a block's last rounds into the next block's products (the first while the next scores run,
+the second after the next dq product), so the engine reads one round while the consumer computes instead of
+the consumer waiting for it right after its dkv product. Staging rows are padded so a warp's int64 stores
+spread over all shared-memory banks (unpadded, their conflicts made the kernel 15% slower).
 
 The roles hand work over with mbarriers: k_ready / k_free for the KV ring (producer <-> both consumers),
 p (consumer 0's P is in shared memory), ds (consumer 1's dS is), pds_free (both are done reading this block's
@@ -26,17 +32,23 @@ from .. import contract
 
 THREADS = 384
 STAGES = 2  # KV ring depth
-# registers per thread by role: setmaxnreg.inc draws only on what setmaxnreg.dec released inside the same
-# block, so the three must sum to what the launch allocated (168 per thread at 384 threads): 240 + 200 + 64
-NREG = (240, 200, 64)
+# registers per thread by role (consumer 0, consumer 1 with the tail's accumulators, producer):
+# setmaxnreg.inc draws only on what setmaxnreg.dec released inside the same block, so the three must sum to
+# what the launch allocated (168 per thread at 384 threads)
+NREG = (200, 240, 64)
 assert sum(NREG) == 3 * 168
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90
 # named barriers of one consumer's 128 threads (ids TileLang's own partial syncs do not take)
 _WG_BARRIER = (14, 15)
 
 
-def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int):
-    """TileLang prim_func for variant (Dqk, Dv, 64, topk_block); same signature as ``backward.build_program``."""
+def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int, defer: int):
+    """TileLang prim_func for variant (Dqk, Dv, 64, topk_block); same signature as ``backward.build_program``.
+
+    ``defer``: how many of a block's last staging rounds are sent during the next block's products (the last
+    one after the next block's dq product, the others after its scores are issued) instead of right after this
+    block's dkv product.
+    """
     import tilelang.language as T
 
     dqk, dv, HG, BI = variant
@@ -44,7 +56,9 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
     D = dv
     C0 = D // 2  # consumer 0 owns V columns [0, C0), consumer 1 [C0, D)
     tail = dqk - dv
-    W0 = C0 + tail  # consumer 0's staged columns per row: [0, C0) then the tail
+    # staged int64 per row: [0, C0), the tail (consumer 1's), and 2 of padding: consecutive rows then start 16
+    # bytes apart modulo the 128 bytes of the banks, and the 4 rows one store of a warp touches do not collide
+    W0 = C0 + tail + 2
     R, NBUF = stage_rows, stage_bufs
     assert BI % R == 0 and BI % 16 == 0
     NR = BI // R  # staging rounds per top-k block
@@ -65,6 +79,41 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32, i64 = T.bfloat16, T.float32, T.int32, T.int64
     log2e = contract.LOG2E
+
+    if isinstance(defer, bool) or not isinstance(defer, int) or not 0 <= defer <= NR:
+        raise ValueError(f"defer must be in [0, {NR}] (staging rounds per top-k block), got {defer!r}")
+    early = list(range(NR - defer))  # rounds sent right after the block's dkv product
+    late = list(range(NR - defer, NR))
+    late_a, late_b = late[:-1], late[-1:]  # ... after the next block's scores are issued / its dq product
+
+    @T.macro
+    def send_round(c, r, kb_r, stage, acc, acc_t, row_idx, Acc, tx, fx, b_i):
+        """Consumer c rounds staging round r of block kb_r's dkv columns to int64 and sends its valid rows."""
+        buf = (kb_r * NR + r) % NBUF
+        lane = tx - 128 * c
+        if lane < R:
+            # the group that last read this buffer, NBUF rounds ago, has finished reading
+            T.call_extern("handle", f"smqa_bulk_wait_read_n<{NBUF - 1}>")
+        T.sync_threads(_WG_BARRIER[c], 128)
+        # the accumulator is dkv^T (columns x slots): slot j of round r goes to staging row j % R
+        for d, j in T.Parallel(C0, BI):
+            if j // R == r:
+                stage[c, buf, j % R, d] = T.cast(T.round(acc[d, j] * fx), T.int64)
+        if c == 1 and tail > 0:
+            for d, j in T.Parallel(tail, BI):
+                if j // R == r:
+                    stage[1, buf, j % R, C0 + d] = T.cast(T.round(acc_t[d, j] * fx), T.int64)
+        T.fence_proxy_async()
+        T.sync_threads(_WG_BARRIER[c], 128)
+        if lane < R:
+            if row_idx[r] >= 0:
+                T.call_extern("handle", "smqa_bulk_add_u64", T.address_of(stage[c, buf, lane, 0]),
+                              T.address_of(Acc[b_i, row_idx[r], c * C0]), C0 * 8)
+                if c == 1 and tail > 0:
+                    T.call_extern("handle", "smqa_bulk_add_u64", T.address_of(stage[1, buf, lane, C0]),
+                                  T.address_of(Acc[b_i, row_idx[r], D]), tail * 8)
+            # no wait here: this round's reads overlap what the consumer does next
+            T.call_extern("handle", "smqa_bulk_commit")
 
     @T.prim_func
     def sparse_mla_bwd(
@@ -99,9 +148,10 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
             acc_dq0 = T.alloc_fragment([HG, C0], f32)
             acc_dq1 = T.alloc_fragment([HG, C0], f32)
             acc_dqt = T.alloc_fragment([HG, max(tail, 16)], f32)
-            acc_dkv0 = T.alloc_fragment([BI, C0], f32)
-            acc_dkv1 = T.alloc_fragment([BI, C0], f32)
-            acc_dkvt = T.alloc_fragment([BI, max(tail, 16)], f32)
+            # dkv^T per block (columns x slots): on wgmma, M = columns; the tail's belongs to consumer 1
+            acc_dkv0 = T.alloc_fragment([C0, BI], f32)
+            acc_dkv1 = T.alloc_fragment([C0, BI], f32)
+            acc_dkvt = T.alloc_fragment([max(tail, 16), BI], f32)
             lse_f = T.alloc_fragment([HG], f32)
             delta_f = T.alloc_fragment([HG], f32)
             idx_r = T.alloc_local([PASSES], i32)
@@ -155,19 +205,22 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                 for h in T.Parallel(HG):
                     lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, h0 + h], T.infinity(f32))
                 T.clear(acc_dq0)
-                if tail > 0:
-                    T.clear(acc_dqt)
+                if defer > 0:
+                    # deferred rounds read the previous block's dkv and rows (never at kb = 0: this is for the checker)
+                    T.clear(acc_dkv0)
+                    for r in T.unroll(NR):
+                        row_idx[r] = -1
                 for kb in T.serial(n_blk):
                     st = kb % STAGES
                     T.barrier_wait(bar_k_ready[st], (kb // STAGES) & 1)
-                    if tx < R:
-                        for r in T.unroll(NR):
-                            row_idx[r] = idx_shared[st, r * R + tx]
                     T.wgmma_gemm(Q_shared[:, 0:C0], KV_shared[st, :, 0:C0], acc_s, transpose_B=True,
                                  clear_accum=True)
                     T.wgmma_gemm(Q_shared[:, C0:D], KV_shared[st, :, C0:D], acc_s, transpose_B=True)
                     if tail > 0:
                         T.wgmma_gemm(Q_shared[:, D:dqk], KV_shared[st, :, D:dqk], acc_s, transpose_B=True)
+                    if kb > 0:
+                        for r in late_a:
+                            send_round(0, r, kb - 1, stage, acc_dkv0, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                     T.wait_wgmma(0)
                     for h, j in T.Parallel(HG, BI):
                         acc_s[h, j] = T.if_then_else(idx_shared[st, j] >= 0, T.exp2(acc_s[h, j] * c2 - lse_f[h]),
@@ -181,47 +234,25 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                     T.barrier_arrive(bar_p)
                     T.barrier_wait(bar_ds, kb & 1)
                     T.gemm(dS_shared, KV_shared[st, :, 0:C0], acc_dq0)
-                    if tail > 0:
-                        T.gemm(dS_shared, KV_shared[st, :, D:dqk], acc_dqt)
+                    if kb > 0:
+                        for r in late_b:
+                            send_round(0, r, kb - 1, stage, acc_dkv0, acc_dkvt, row_idx, Acc, tx, fx, b_i)
+                    # this block's destination rows, read before the producer may overwrite idx_shared[st]
+                    if tx < R:
+                        for r in T.unroll(NR):
+                            row_idx[r] = idx_shared[st, r * R + tx]
                     T.barrier_arrive(bar_k_free[st])
-                    T.gemm(dS_shared, Q_shared[:, 0:C0], acc_dkv0, transpose_A=True, clear_accum=True)
-                    T.gemm(P_shared, dO_shared[:, 0:C0], acc_dkv0, transpose_A=True)
-                    if tail > 0:
-                        T.gemm(dS_shared, Q_shared[:, D:dqk], acc_dkvt, transpose_A=True, clear_accum=True)
+                    T.gemm(Q_shared[:, 0:C0], dS_shared, acc_dkv0, transpose_A=True, clear_accum=True)
+                    T.gemm(dO_shared[:, 0:C0], P_shared, acc_dkv0, transpose_A=True)
                     T.barrier_arrive(bar_pds_free)
-                    # exact, order-free accumulation of this consumer's columns (valid slots only)
-                    for r in T.serial(NR):
-                        buf = (kb * NR + r) % NBUF
-                        if tx < R:
-                            # the group that last read this buffer, NBUF rounds ago, has finished reading
-                            T.call_extern("handle", f"smqa_bulk_wait_read_n<{NBUF - 1}>")
-                        T.sync_threads(_WG_BARRIER[0], 128)
-                        for j, d in T.Parallel(BI, C0):
-                            if j // R == r:
-                                stage[0, buf, j % R, d] = T.cast(T.round(acc_dkv0[j, d] * fx), i64)
-                        if tail > 0:
-                            for j, d in T.Parallel(BI, tail):
-                                if j // R == r:
-                                    stage[0, buf, j % R, C0 + d] = T.cast(T.round(acc_dkvt[j, d] * fx), i64)
-                        T.fence_proxy_async()
-                        T.sync_threads(_WG_BARRIER[0], 128)
-                        if tx < R:
-                            if row_idx[r] >= 0:
-                                T.call_extern("handle", "smqa_bulk_add_u64", T.address_of(stage[0, buf, tx, 0]),
-                                              T.address_of(Acc[b_i, row_idx[r], 0]), C0 * 8)
-                                if tail > 0:
-                                    T.call_extern("handle", "smqa_bulk_add_u64",
-                                                  T.address_of(stage[0, buf, tx, C0]),
-                                                  T.address_of(Acc[b_i, row_idx[r], D]), tail * 8)
-                            # no wait here: this round's reads overlap the next round, or the next block's products
-                            T.call_extern("handle", "smqa_bulk_commit")
+                    for r in early:
+                        send_round(0, r, kb, stage, acc_dkv0, acc_dkvt, row_idx, Acc, tx, fx, b_i)
+                if n_blk > 0:
+                    for r in late_a + late_b:
+                        send_round(0, r, n_blk - 1, stage, acc_dkv0, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                 for h, d in T.Parallel(HG, C0):
                     if h0 + h < heads:
                         dQ[b_i, s_i, h0 + h, d] = T.cast(acc_dq0[h, d], bf16)
-                if tail > 0:
-                    for h, d in T.Parallel(HG, tail):
-                        if h0 + h < heads:
-                            dQ[b_i, s_i, h0 + h, D + d] = T.cast(acc_dqt[h, d], bf16)
                 if tx < R:
                     T.call_extern("handle", "smqa_bulk_wait_all")
 
@@ -231,15 +262,23 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                 for h in T.Parallel(HG):
                     delta_f[h] = T.if_then_else(h0 + h < heads, Delta[b_i, s_i, h0 + h], 0.0)
                 T.clear(acc_dq1)
+                if tail > 0:
+                    T.clear(acc_dqt)
+                if defer > 0:
+                    T.clear(acc_dkv1)
+                    if tail > 0:
+                        T.clear(acc_dkvt)
+                    for r in T.unroll(NR):
+                        row_idx[r] = -1
                 for kb in T.serial(n_blk):
                     st = kb % STAGES
                     T.barrier_wait(bar_k_ready[st], (kb // STAGES) & 1)
-                    if tx - 128 < R:
-                        for r in T.unroll(NR):
-                            row_idx[r] = idx_shared[st, r * R + tx - 128]
                     T.wgmma_gemm(dO_shared[:, 0:C0], KV_shared[st, :, 0:C0], acc_dp, transpose_B=True,
                                  clear_accum=True)
                     T.wgmma_gemm(dO_shared[:, C0:D], KV_shared[st, :, C0:D], acc_dp, transpose_B=True)
+                    if kb > 0:
+                        for r in late_a:
+                            send_round(1, r, kb - 1, stage, acc_dkv1, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                     T.wait_wgmma(0)
                     T.barrier_wait(bar_p, kb & 1)
                     if kb > 0:
@@ -251,29 +290,32 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                     T.fence_proxy_async()
                     T.barrier_arrive(bar_ds)
                     T.gemm(dS_shared, KV_shared[st, :, C0:D], acc_dq1)
+                    if tail > 0:
+                        T.gemm(dS_shared, KV_shared[st, :, D:dqk], acc_dqt)
+                    if kb > 0:
+                        for r in late_b:
+                            send_round(1, r, kb - 1, stage, acc_dkv1, acc_dkvt, row_idx, Acc, tx, fx, b_i)
+                    if tx - 128 < R:
+                        for r in T.unroll(NR):
+                            row_idx[r] = idx_shared[st, r * R + tx - 128]
                     T.barrier_arrive(bar_k_free[st])
-                    T.gemm(dS_shared, Q_shared[:, C0:D], acc_dkv1, transpose_A=True, clear_accum=True)
-                    T.gemm(P_shared, dO_shared[:, C0:D], acc_dkv1, transpose_A=True)
+                    T.gemm(Q_shared[:, C0:D], dS_shared, acc_dkv1, transpose_A=True, clear_accum=True)
+                    T.gemm(dO_shared[:, C0:D], P_shared, acc_dkv1, transpose_A=True)
+                    if tail > 0:
+                        T.gemm(Q_shared[:, D:dqk], dS_shared, acc_dkvt, transpose_A=True, clear_accum=True)
                     T.barrier_arrive(bar_pds_free)
-                    for r in T.serial(NR):
-                        buf = (kb * NR + r) % NBUF
-                        if tx - 128 < R:
-                            T.call_extern("handle", f"smqa_bulk_wait_read_n<{NBUF - 1}>")
-                        T.sync_threads(_WG_BARRIER[1], 128)
-                        for j, d in T.Parallel(BI, C0):
-                            if j // R == r:
-                                stage[1, buf, j % R, d] = T.cast(T.round(acc_dkv1[j, d] * fx), i64)
-                        T.fence_proxy_async()
-                        T.sync_threads(_WG_BARRIER[1], 128)
-                        if tx - 128 < R:
-                            if row_idx[r] >= 0:
-                                T.call_extern("handle", "smqa_bulk_add_u64",
-                                              T.address_of(stage[1, buf, tx - 128, 0]),
-                                              T.address_of(Acc[b_i, row_idx[r], C0]), C0 * 8)
-                            T.call_extern("handle", "smqa_bulk_commit")
+                    for r in early:
+                        send_round(1, r, kb, stage, acc_dkv1, acc_dkvt, row_idx, Acc, tx, fx, b_i)
+                if n_blk > 0:
+                    for r in late_a + late_b:
+                        send_round(1, r, n_blk - 1, stage, acc_dkv1, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                 for h, d in T.Parallel(HG, C0):
                     if h0 + h < heads:
                         dQ[b_i, s_i, h0 + h, C0 + d] = T.cast(acc_dq1[h, d], bf16)
+                if tail > 0:
+                    for h, d in T.Parallel(HG, tail):
+                        if h0 + h < heads:
+                            dQ[b_i, s_i, h0 + h, D + d] = T.cast(acc_dqt[h, d], bf16)
                 if tx - 128 < R:
                     T.call_extern("handle", "smqa_bulk_wait_all")
 

@@ -92,7 +92,7 @@ def model_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, t
     hg, ng = plan.head_group, plan.n_groups
     qf, kvf, gof = _f32(q), _f32(kv), _f32(go)
 
-    # host preprocessing (the kernel does the same in torch): Delta, kernel LSE, fixed-point exponent
+    # preprocessing (the kernel: ``bwd_prep`` and torch, float32 too): Delta, kernel LSE, fixed-point exponent
     delta = (_f32(out) * gof).sum(-1, dtype=np.float32)  # [B, S, H]
     lse2 = kernel_lse(lse, sink)
     F = bwd_plan.fixed_point_exponent(dkv_bound(qf, kvf, gof, sm_scale, Dv))
