@@ -137,14 +137,17 @@ def test_staging_configuration_is_validated():
     assert backward.staging(SMALL_GROUP) == backward.STAGING["single"]
 
 
-@pytest.mark.parametrize("defer", [0, 1])
+@pytest.mark.parametrize("defer", [0, 1, 2])
 def test_every_round_placement_reduces_valid_rows_only(defer):
-    """Rounds sent right after a block's dkv product (defer 0), or in the next block's (the default defers
-    both: the ``source`` fixture): each placement sends every round once, guarded by its row's validity."""
+    """Staging rounds sent right after a block's dkv product (defer 0) or during the next block's products:
+    every reduction stays integer-only and guarded by its row's validity. Call sites: 2 rounds per block, one
+    reduction each for consumer 0 and two for consumer 1 (its columns and the tail), and a deferred round also
+    has a copy after the top-k loop for the last block."""
     src = backward.kernel_source(ANCHOR, defer=defer)
     assert not _unguarded_reductions(src)
     for bad in FLOAT_ATOMICS:
         assert bad not in src, f"defer={defer}: floating-point atomic or reduction {bad!r}"
+    assert src.count("smqa_bulk_add_u64((") == 3 * (2 + defer)
 
 
 def test_prep_pass_compiles_without_atomics():
