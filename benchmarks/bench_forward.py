@@ -19,21 +19,7 @@ import math
 import statistics
 import sys
 
-
-def make_inputs(B, S, Skv, H, L, dqk, sink, seed=0):
-    import torch
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(B, S, H, dqk, device="cuda", generator=g).bfloat16()
-    kv = torch.randn(B, Skv, dqk, device="cuda", generator=g).bfloat16()
-    # distinct indices per row: top-L of random keys
-    idx = torch.empty(B, S, L, dtype=torch.int32, device="cuda")
-    for b in range(B):
-        for s0 in range(0, S, 1024):
-            keys = torch.rand(min(1024, S - s0), Skv, device="cuda", generator=g)
-            idx[b, s0:s0 + 1024] = keys.topk(L, dim=-1).indices.int()
-    attn_sink = torch.randn(H, device="cuda", generator=g) if sink else None
-    return q, kv, idx, attn_sink
+from sparse_mqa_testkit import bench
 
 
 def reference_rows(q, kv, idx, sm_scale, dv, attn_sink, rows):
@@ -76,23 +62,6 @@ def torch_peer(q, kv, idx, sm_scale, dv, attn_sink, chunk=1024):
     return out, lse
 
 
-def time_ms(fn, warmup, iters):
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times), min(times), times
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--B", type=int, default=1)
@@ -114,8 +83,9 @@ def main(argv=None) -> int:
 
     from sparse_mqa_testkit.kernels.forward import sparse_mla_forward
 
-    sm_scale = 1.0 / math.sqrt(a.dqk)
-    q, kv, idx, sink = make_inputs(a.B, a.S, a.Skv, a.H, a.L, a.dqk, not a.no_sink)
+    shape = bench.Shape(B=a.B, S=a.S, Skv=a.Skv, H=a.H, L=a.L, Dqk=a.dqk, Dv=a.dv)
+    x = bench.make_inputs(shape, "cuda", seed=0, sink=not a.no_sink)
+    q, kv, idx, sink, sm_scale = x["q"], x["kv"], x["indices"], x["attn_sink"], x["sm_scale"]
 
     def ours():
         return sparse_mla_forward(q, kv, idx, sm_scale, a.dv, attn_sink=sink)
@@ -129,14 +99,15 @@ def main(argv=None) -> int:
     lse_err = ((lse[0, :a.check_rows].double() - ref_lse).abs() / (1 + ref_lse.abs())).max()
     correct = bool(err <= 2.5 * rounding + 1e-4 and lse_err <= 5e-5)
 
-    flop = 2.0 * a.B * a.S * a.H * a.L * (a.dqk + a.dv)
-    ms, ms_min, _ = time_ms(ours, a.warmup, a.iters)
-    peer_ms, _, _ = time_ms(lambda: torch_peer(q, kv, idx, sm_scale, a.dv, sink), 1, a.peer_iters)
+    times = bench.time_calls(lambda k: ours(), 1, a.warmup, a.iters, "cuda")
+    ms, ms_min = statistics.median(times), min(times)
+    peer_ms = statistics.median(bench.time_calls(lambda k: torch_peer(q, kv, idx, sm_scale, a.dv, sink), 1, 1,
+                                                 a.peer_iters, "cuda"))
     res = {
         "case": f"B{a.B} S{a.S} Skv{a.Skv} H{a.H} L{a.L} {a.dqk}/{a.dv} sink={'none' if a.no_sink else 'finite'}",
         "device": torch.cuda.get_device_name(),
         "ms_median": round(ms, 4), "ms_min": round(ms_min, 4), "iters": a.iters, "warmup": a.warmup,
-        "tflops": round(flop / (ms * 1e-3) / 1e12, 1),
+        "tflops": round(bench.tflops(shape, "forward", ms), 1),
         "peer_torch_ms_median": round(peer_ms, 3), "speedup_vs_torch": round(peer_ms / ms, 2),
         "check_rows": a.check_rows, "out_rel_l2": float(err), "out_bf16_rounding_rel_l2": float(rounding),
         "lse_scaled_abs_err": float(lse_err), "correct": correct,
