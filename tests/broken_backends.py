@@ -20,6 +20,19 @@ from sparse_mqa_testkit.backends.validate import check_backward_args, check_forw
 
 LOG2E = contract.LOG2E
 
+# Source of a downstream module for the tests that run the CLI or the plugin in a subprocess: dq doubled when
+# H >= 2, so the simplest case (H = 1) passes and a failure needs searching (or the example database).
+DQ_DOUBLED_SOURCE = '''
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class Broken(ReferenceBackend):
+    name = "broken"
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        dq, dkv, ds = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
+                                       topk_length=topk_length)
+        return (dq * 2 if q.shape[2] >= 2 else dq), dkv, ds
+'''
+
 
 def _bf16(x):
     return x.to(torch.bfloat16).to(torch.float32)

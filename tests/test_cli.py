@@ -6,21 +6,12 @@ import sys
 import types
 
 import pytest
+from broken_backends import DQ_DOUBLED_SOURCE
 
 from sparse_mqa_testkit import cli
 from sparse_mqa_testkit.nightly import run_nightly
 
-# dq doubled when H >= 2: the simplest case (H = 1) passes, so a failure needs searching (or the database)
-BROKEN = '''
-from sparse_mqa_testkit.backends.reference import ReferenceBackend
-
-class Broken(ReferenceBackend):
-    name = "broken"
-    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
-        dq, dkv, ds = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
-                                       topk_length=topk_length)
-        return (dq * 2 if q.shape[2] >= 2 else dq), dkv, ds
-'''
+BROKEN = DQ_DOUBLED_SOURCE
 
 
 @pytest.fixture

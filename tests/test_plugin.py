@@ -4,6 +4,7 @@ skip reasons on a CPU-only machine, the report header, and where the example dat
 import json
 
 import pytest
+from broken_backends import DQ_DOUBLED_SOURCE
 
 from sparse_mqa_testkit import profiles
 
@@ -18,18 +19,9 @@ except ImportError:
 NO_CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks CPU-only behaviour")
 
 # A downstream kernel: the reference backend under another name, plus a broken one (dq doubled for H >= 2).
-BACKENDS = '''
-from sparse_mqa_testkit.backends.reference import ReferenceBackend
-
+BACKENDS = DQ_DOUBLED_SOURCE + '''
 class Mine(ReferenceBackend):
     name = "mine"
-
-class Broken(ReferenceBackend):
-    name = "broken"
-    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
-        dq, dkv, ds = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
-                                       topk_length=topk_length)
-        return (dq * 2 if q.shape[2] >= 2 else dq), dkv, ds
 
 class OnGpu(ReferenceBackend):
     name = "ongpu"
