@@ -248,7 +248,7 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                     for r in early:
                         send_round(0, r, kb, stage, acc_dkv0, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                 if n_blk > 0:
-                    for r in late_a + late_b:
+                    for r in late:
                         send_round(0, r, n_blk - 1, stage, acc_dkv0, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                 for h, d in T.Parallel(HG, C0):
                     if h0 + h < heads:
@@ -307,7 +307,7 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                     for r in early:
                         send_round(1, r, kb, stage, acc_dkv1, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                 if n_blk > 0:
-                    for r in late_a + late_b:
+                    for r in late:
                         send_round(1, r, n_blk - 1, stage, acc_dkv1, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                 for h, d in T.Parallel(HG, C0):
                     if h0 + h < heads:
