@@ -91,8 +91,6 @@ WS = True
 STAGING = {"single": (4, 2), "ws": (8, 1)}
 # warp-specialised body: how many of a block's staging rounds go out during the next block's products
 DEFER = 2
-# an even number of 64-head groups (H = 128) runs as 2-CTA clusters that merge their dkv rows before reducing
-PAIR = False  # measured 2.2x slower at H128 (BENCHMARKS.md); kept in history, removed next
 
 # Inline PTX for the bulk reduction (TileLang 0.1.15 has only the .f32 flavour of the bulk reduction).
 _PRELUDE = r"""
@@ -118,46 +116,6 @@ __device__ __forceinline__ void smqa_bulk_commit() {
 template <int N> __device__ __forceinline__ void smqa_bulk_wait_read_n() {
   asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
 }
-// 2-CTA cluster hand-off (backward_ws, pair=True)
-__device__ __forceinline__ unsigned smqa_smem(void const* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ unsigned smqa_peer(void const* p, int rank) {
-  unsigned r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smqa_smem(p)), "r"(rank));
-  return r;
-}
-__device__ __forceinline__ void smqa_mbar_init(void* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smqa_smem(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void smqa_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void smqa_cluster_sync_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  smqa_cluster_sync();
-}
-__device__ __forceinline__ void smqa_expect_tx(void* bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smqa_smem(bar)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void smqa_wait_parity(void* bar, int parity) {
-  asm volatile("{\n\t.reg .pred p;\n\tSMQA_WAIT_%=:\n\t"
-               "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t@!p bra SMQA_WAIT_%=;\n\t}"
-               :: "r"(smqa_smem(bar)), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void smqa_arrive_peer(void* bar, int rank) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(smqa_peer(bar, rank))
-               : "memory");
-}
-__device__ __forceinline__ void smqa_wait_parity_cluster(void* bar, int parity) {
-  asm volatile("{\n\t.reg .pred p;\n\tSMQA_WAITC_%=:\n\t"
-               "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n\t@!p bra SMQA_WAITC_%=;\n\t}"
-               :: "r"(smqa_smem(bar)), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void smqa_st_peer_s64(void* dst, int rank, long long v) {
-  asm volatile("st.shared::cluster.s64 [%0], %1;" :: "r"(smqa_peer(dst, rank)), "l"(v) : "memory");
-}
 """
 
 
@@ -175,7 +133,7 @@ def staging(variant: tuple, ws: bool = WS, reduce: str = REDUCE, stage_rows: int
 
 def build_program(variant: tuple, reduce: str = REDUCE, stage_rows: int | None = None,
                   stage_bufs: int | None = None, threads: int | None = None, ws: bool = WS,
-                  defer: int | None = None, pair: bool = False):
+                  defer: int | None = None):
     """The TileLang prim_func of one variant (Dqk, Dv, head_group, topk_block); sizes are symbolic."""
     if reduce not in REDUCE_MODES:
         raise ValueError(f"reduce must be one of {REDUCE_MODES}, got {reduce!r}")
@@ -192,9 +150,7 @@ def build_program(variant: tuple, reduce: str = REDUCE, stage_rows: int | None =
 
         if defer is None:
             defer = min(DEFER, variant[3] // rows)
-        return backward_ws.build_program(variant, _PRELUDE, rows, bufs, defer, pair)
-    if pair:
-        raise ValueError("pair=True needs the warp-specialised body (64-head groups, ws=True, reduce='bulk')")
+        return backward_ws.build_program(variant, _PRELUDE, rows, bufs, defer)
     if defer is not None:
         raise ValueError(f"defer applies only to the warp-specialised body (64-head groups, ws=True), got {defer!r}")
     if bufs != 2:
@@ -371,11 +327,11 @@ def _single_role_program(variant: tuple, reduce: str, stage_rows: int, threads: 
 
 @functools.lru_cache(maxsize=None)
 def compiled(variant: tuple, reduce: str = REDUCE, stage_rows: int | None = None, stage_bufs: int | None = None,
-             threads: int | None = None, ws: bool = WS, defer: int | None = None, pair: bool = False):
+             threads: int | None = None, ws: bool = WS, defer: int | None = None):
     """The compiled kernel of one variant (TileLang's disk cache under TILELANG_CACHE_DIR makes reloads cheap)."""
     import tilelang
 
-    program = build_program(variant, reduce, stage_rows, stage_bufs, threads, ws, defer, pair)
+    program = build_program(variant, reduce, stage_rows, stage_bufs, threads, ws, defer)
     configs = {}
     if not uses_ws(variant, ws, reduce):
         # the single-role body: no automatic warp specialisation, and no aggressive shared-memory merge: its
@@ -385,9 +341,11 @@ def compiled(variant: tuple, reduce: str = REDUCE, stage_rows: int | None = None
     return tilelang.compile(program, out_idx=None, target=TARGET, pass_configs=configs)
 
 
-def kernel_source(variant: tuple, **kw) -> str:
-    """Generated CUDA of one variant (compiles it if needed); ``kw`` as for ``compiled``."""
-    return compiled(variant, **kw).get_kernel_source()
+def kernel_source(variant: tuple, reduce: str = REDUCE, stage_rows: int | None = None,
+                  stage_bufs: int | None = None, threads: int | None = None, ws: bool = WS,
+                  defer: int | None = None) -> str:
+    """Generated CUDA of one variant (compiles it if needed)."""
+    return compiled(variant, reduce, stage_rows, stage_bufs, threads, ws, defer).get_kernel_source()
 
 
 def precompile() -> list[str]:
@@ -449,8 +407,7 @@ def _sink_probability(lse, attn_sink):
 def sparse_mla_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None,
                         max_query_chunk: int = bwd_plan.MAX_QUERY_CHUNK, reduce: str = REDUCE,
                         stage_rows: int | None = None, stage_bufs: int | None = None, threads: int | None = None,
-                        topk_block: int | None = None, ws: bool = WS, defer: int | None = None,
-                        pair: bool | None = None):
+                        topk_block: int | None = None, ws: bool = WS, defer: int | None = None):
     """Contract backward on the GPU: ``(dq bf16, dkv bf16, d_sink fp32 or None)``, bitwise deterministic.
 
     Arguments are validated (shapes, kernel dtypes, device, supported dims) before any GPU work. The keyword
@@ -463,12 +420,7 @@ def sparse_mla_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
     sm_scale = float(sm_scale)
     plan = bwd_plan.make_plan(dims.B, dims.S, dims.Skv, dims.H, dims.L, dims.Dqk, dims.Dv,
                               max_query_chunk=max_query_chunk, topk_block=topk_block)
-    can_pair = uses_ws(plan.variant, ws, reduce) and plan.n_groups % 2 == 0
-    if pair and not can_pair:
-        raise ValueError(f"pair=True needs an even number of 64-head groups on the warp-specialised body; "
-                         f"H = {dims.H} gives {plan.n_groups} group(s) of {plan.head_group}")
-    pair = can_pair and (PAIR if pair is None else pair)
-    kernel = compiled(plan.variant, reduce, stage_rows, stage_bufs, threads, ws, defer, pair)
+    kernel = compiled(plan.variant, reduce, stage_rows, stage_bufs, threads, ws, defer)
     dev = q.device
     q, kv, out, grad_out, lse, indices = (t.contiguous() for t in (q, kv, out, grad_out, lse, indices))
     with torch.cuda.device(dev):

@@ -42,18 +42,12 @@ SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90
 _WG_BARRIER = (14, 15)
 
 
-def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int, defer: int, pair: bool = False):
+def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int, defer: int):
     """TileLang prim_func for variant (Dqk, Dv, 64, topk_block); same signature as ``backward.build_program``.
 
     ``defer``: how many of a block's last staging rounds are sent during the next block's products (the last
     one after the next block's dq product, the others after its scores are issued) instead of right after this
     block's dkv product.
-
-    ``pair``: launch the two head groups of a query as one 2-CTA cluster (the head-group count must be even).
-    Both name the same KV rows, so each staging round is merged before it leaves the SM: the CTA of rank r%2
-    ("owner") receives the other's int64 terms of round r in its staging buffer (``st.async`` into its shared
-    memory), adds its own and sends the rows once; the global reduction bytes halve. The int64 sums, and so the
-    bits, are those of the unpaired launch.
     """
     import tilelang.language as T
 
@@ -62,20 +56,14 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
     D = dv
     C0 = D // 2  # consumer 0 owns V columns [0, C0), consumer 1 [C0, D)
     tail = dqk - dv
-    # staged int64 per row: the consumer's columns (consumer 1's include the tail) and 2 of padding: consecutive
-    # rows then start 16 bytes apart modulo the 128 bytes of the banks, and the 4 rows one store of a warp
-    # touches do not collide
-    COLS = (C0, C0 + tail)  # dkv columns each consumer converts and sends
-    W = (COLS[0] + 2, COLS[1] + 2)
+    # staged int64 per row: [0, C0), the tail (consumer 1's), and 2 of padding: consecutive rows then start 16
+    # bytes apart modulo the 128 bytes of the banks, and the 4 rows one store of a warp touches do not collide
+    W0 = C0 + tail + 2
     R, NBUF = stage_rows, stage_bufs
     assert BI % R == 0 and BI % 16 == 0
     NR = BI // R  # staging rounds per top-k block
-    BASE = (0, NBUF * R * W[0])  # each consumer's ring in the one staging buffer
     smem = (HG * dqk + HG * D + STAGES * BI * dqk + 2 * HG * BI) * 2 + (STAGES * BI + HG * BI) * 4 \
-        + NBUF * R * (W[0] + W[1]) * 8
-    if pair and (NR != 2 or NBUF != 1):
-        raise ValueError(f"pair=True merges 2 staging rounds per block in one buffer per consumer; got "
-                         f"stage_rows={R} (rounds {NR}), stage_bufs={NBUF}")
+        + 2 * NBUF * R * W0 * 8
     if smem > SMEM_LIMIT:
         raise ValueError(f"stage_rows x stage_bufs = {R} x {NBUF} needs {smem} bytes of shared memory with "
                          f"the other tiles, over the {SMEM_LIMIT} an sm_90 block may use: lower either")
@@ -99,22 +87,9 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
     late_a, late_b = late[:-1], late[-1:]  # ... after the next block's scores are issued / its dq product
 
     @T.macro
-    def send_rows(c, r, stage, row0, row_idx, Acc, lane, b_i):
-        """The round's valid rows leave as one bulk int64 reduction each (the consumer's columns)."""
-        if lane < R:
-            if row_idx[r] >= 0:
-                T.call_extern("handle", "smqa_bulk_add_u64", T.address_of(stage[row0 + lane * W[c]]),
-                              T.address_of(Acc[b_i, row_idx[r], c * C0]), C0 * 8)
-                if c == 1 and tail > 0:
-                    T.call_extern("handle", "smqa_bulk_add_u64", T.address_of(stage[row0 + lane * W[1] + C0]),
-                                  T.address_of(Acc[b_i, row_idx[r], D]), tail * 8)
-            # no wait here: this round's reads overlap what the consumer does next
-            T.call_extern("handle", "smqa_bulk_commit")
-
-    @T.macro
     def send_round(c, r, kb_r, stage, acc, acc_t, row_idx, Acc, tx, fx, b_i):
         """Consumer c rounds staging round r of block kb_r's dkv columns to int64 and sends its valid rows."""
-        row0 = BASE[c] + ((kb_r * NR + r) % NBUF) * R * W[c]  # this round's buffer
+        buf = (kb_r * NR + r) % NBUF
         lane = tx - 128 * c
         if lane < R:
             # the group that last read this buffer, NBUF rounds ago, has finished reading
@@ -123,70 +98,22 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
         # the accumulator is dkv^T (columns x slots): slot j of round r goes to staging row j % R
         for d, j in T.Parallel(C0, BI):
             if j // R == r:
-                stage[row0 + (j % R) * W[c] + d] = T.cast(T.round(acc[d, j] * fx), T.int64)
+                stage[c, buf, j % R, d] = T.cast(T.round(acc[d, j] * fx), T.int64)
         if c == 1 and tail > 0:
             for d, j in T.Parallel(tail, BI):
                 if j // R == r:
-                    stage[row0 + (j % R) * W[1] + C0 + d] = T.cast(T.round(acc_t[d, j] * fx), T.int64)
+                    stage[1, buf, j % R, C0 + d] = T.cast(T.round(acc_t[d, j] * fx), T.int64)
         T.fence_proxy_async()
         T.sync_threads(_WG_BARRIER[c], 128)
-        send_rows(c, r, stage, row0, row_idx, Acc, lane, b_i)
-
-    @T.macro
-    def pair_round(c, r, kb_r, stage, acc, acc_t, row_idx, Acc, tx, fx, b_i, cbar, rank):
-        """``send_round`` of a 2-CTA cluster (``pair``): round r is merged and sent by its owner, rank r.
-
-        The sender stores its int64 terms straight from registers into the owner's staging buffer (distributed
-        shared memory) and arrives on the owner's cbar[c]; the owner adds its own terms and sends the rows.
-        cbar[2 + c] on the sender counts the owner's "buffer free" signals: the owner gives one at each of its
-        send rounds, once its last rows have left the buffer (rank 0 one more at the start). Signals cannot
-        overrun: the next one is only given after the stores it allowed have been received.
-        """
-        lane = tx - 128 * c
-        row0 = BASE[c]
-        if rank == r:
-            T.call_extern("handle", "smqa_wait_parity_cluster", T.address_of(cbar[c]), kb_r & 1)
-            # each thread adds its own terms to the peer's for the elements it holds: no other thread's
-            for d, j in T.Parallel(C0, BI):
-                if j // R == r:
-                    stage[row0 + (j % R) * W[c] + d] = stage[row0 + (j % R) * W[c] + d] + T.cast(
-                        T.round(acc[d, j] * fx), T.int64)
-            if c == 1 and tail > 0:
-                for d, j in T.Parallel(tail, BI):
-                    if j // R == r:
-                        stage[row0 + (j % R) * W[1] + C0 + d] = stage[row0 + (j % R) * W[1] + C0 + d] + T.cast(
-                            T.round(acc_t[d, j] * fx), T.int64)
-            T.fence_proxy_async()
-            T.sync_threads(_WG_BARRIER[c], 128)
-            send_rows(c, r, stage, row0, row_idx, Acc, lane, b_i)
-        else:
-            if lane < R:
-                T.call_extern("handle", "smqa_bulk_wait_read_n<0>")  # my buffer's rows have left
-            T.sync_threads(_WG_BARRIER[c], 128)
-            if lane == 0:
-                T.call_extern("handle", "smqa_arrive_peer", T.address_of(cbar[2 + c]), 1 - rank)
-            T.call_extern("handle", "smqa_wait_parity_cluster", T.address_of(cbar[2 + c]), kb_r & 1)
-            for d, j in T.Parallel(C0, BI):
-                if j // R == r:
-                    T.call_extern("handle", "smqa_st_peer_s64", T.address_of(stage[row0 + (j % R) * W[c] + d]),
-                                  1 - rank, T.cast(T.round(acc[d, j] * fx), T.int64))
-            if c == 1 and tail > 0:
-                for d, j in T.Parallel(tail, BI):
-                    if j // R == r:
-                        T.call_extern("handle", "smqa_st_peer_s64",
-                                      T.address_of(stage[row0 + (j % R) * W[1] + C0 + d]), 1 - rank,
-                                      T.cast(T.round(acc_t[d, j] * fx), T.int64))
-            # the 128 threads' stores are ordered before the one release arrive by the named barrier
-            T.sync_threads(_WG_BARRIER[c], 128)
-            if lane == 0:
-                T.call_extern("handle", "smqa_arrive_peer", T.address_of(cbar[c]), 1 - rank)
-
-    @T.macro
-    def round_(c, r, kb_r, stage, acc, acc_t, row_idx, Acc, tx, fx, b_i, cbar, rank):
-        if pair:
-            pair_round(c, r, kb_r, stage, acc, acc_t, row_idx, Acc, tx, fx, b_i, cbar, rank)
-        else:
-            send_round(c, r, kb_r, stage, acc, acc_t, row_idx, Acc, tx, fx, b_i)
+        if lane < R:
+            if row_idx[r] >= 0:
+                T.call_extern("handle", "smqa_bulk_add_u64", T.address_of(stage[c, buf, lane, 0]),
+                              T.address_of(Acc[b_i, row_idx[r], c * C0]), C0 * 8)
+                if c == 1 and tail > 0:
+                    T.call_extern("handle", "smqa_bulk_add_u64", T.address_of(stage[1, buf, lane, C0]),
+                                  T.address_of(Acc[b_i, row_idx[r], D]), tail * 8)
+            # no wait here: this round's reads overlap what the consumer does next
+            T.call_extern("handle", "smqa_bulk_commit")
 
     @T.prim_func
     def sparse_mla_bwd(
@@ -204,8 +131,7 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
         sm_scale: f32,
     ):
         groups = T.ceildiv(heads, HG)
-        with T.ClusterKernel(n_rows, batch, groups, cluster_dims=(1, 1, 2 if pair else 1), threads=THREADS,
-                             prelude=prelude) as (bx, by, bz):
+        with T.Kernel(n_rows, batch, groups, threads=THREADS, prelude=prelude) as (bx, by, bz):
             Q_shared = T.alloc_shared([HG, dqk], bf16)
             dO_shared = T.alloc_shared([HG, D], bf16)
             KV_shared = T.alloc_shared([STAGES, BI, dqk], bf16)
@@ -215,8 +141,7 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
             dS_shared = T.alloc_shared([HG, BI], bf16)
             # one buffer for both consumers' rings (separate buffers used in separate branches could be
             # given the same memory by the allocator, which cannot see that the branches run concurrently)
-            stage = T.alloc_shared([NBUF * R * (W[0] + W[1])], i64)
-            cbar = T.alloc_shared([4], i64)  # pair: per consumer "peer terms arrived", "peer buffer free"
+            stage = T.alloc_shared([2, NBUF, R, W0], i64)
 
             acc_s = T.alloc_fragment([HG, BI], f32)
             acc_dp = T.alloc_fragment([HG, BI], f32)
@@ -248,7 +173,6 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
             c2 = sm_scale * log2e
             n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
             n_blk = T.ceildiv(n_valid, BI)
-            rank = bz % 2  # pair: this CTA's rank in its cluster (cluster_dims z = 2)
 
             # padded heads: q = dO = 0 (and below lse +inf, Delta 0), so P = dS = 0; rows >= heads never touched
             for i in T.serial(T.ceildiv(Q_CHUNKS, THREADS)):
@@ -272,22 +196,12 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                     for v in T.vectorized(8):
                         KV_shared[c // (BI * ROW_CHUNKS), (c // ROW_CHUNKS) % BI, (c % ROW_CHUNKS) * 8 + v] = T.cast(
                             0, bf16)
-            if pair:
-                if tx == 0:
-                    for i in T.unroll(4):
-                        T.call_extern("handle", "smqa_mbar_init", T.address_of(cbar[i]), 1)
             T.fence_proxy_async()
             T.sync_threads()
-            if pair:
-                # the peer may arrive on our barriers only once they are initialised
-                T.call_extern("handle", "smqa_cluster_sync_init")
 
             if tx < 128:
                 # consumer 0
                 T.set_max_nreg(NREG[0], 1)
-                if pair:
-                    if rank == 0 and tx == 0:
-                        T.call_extern("handle", "smqa_arrive_peer", T.address_of(cbar[2]), 1)  # see pair_round
                 for h in T.Parallel(HG):
                     lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, h0 + h], T.infinity(f32))
                 T.clear(acc_dq0)
@@ -306,7 +220,7 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                         T.wgmma_gemm(Q_shared[:, D:dqk], KV_shared[st, :, D:dqk], acc_s, transpose_B=True)
                     if kb > 0:
                         for r in late_a:
-                            round_(0, r, kb - 1, stage, acc_dkv0, acc_dkvt, row_idx, Acc, tx, fx, b_i, cbar, rank)
+                            send_round(0, r, kb - 1, stage, acc_dkv0, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                     T.wait_wgmma(0)
                     for h, j in T.Parallel(HG, BI):
                         acc_s[h, j] = T.if_then_else(idx_shared[st, j] >= 0, T.exp2(acc_s[h, j] * c2 - lse_f[h]),
@@ -322,7 +236,7 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                     T.gemm(dS_shared, KV_shared[st, :, 0:C0], acc_dq0)
                     if kb > 0:
                         for r in late_b:
-                            round_(0, r, kb - 1, stage, acc_dkv0, acc_dkvt, row_idx, Acc, tx, fx, b_i, cbar, rank)
+                            send_round(0, r, kb - 1, stage, acc_dkv0, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                     # this block's destination rows, read before the producer may overwrite idx_shared[st]
                     if tx < R:
                         for r in T.unroll(NR):
@@ -332,10 +246,10 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                     T.gemm(dO_shared[:, 0:C0], P_shared, acc_dkv0, transpose_A=True)
                     T.barrier_arrive(bar_pds_free)
                     for r in early:
-                        round_(0, r, kb, stage, acc_dkv0, acc_dkvt, row_idx, Acc, tx, fx, b_i, cbar, rank)
+                        send_round(0, r, kb, stage, acc_dkv0, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                 if n_blk > 0:
                     for r in late:
-                        round_(0, r, n_blk - 1, stage, acc_dkv0, acc_dkvt, row_idx, Acc, tx, fx, b_i, cbar, rank)
+                        send_round(0, r, n_blk - 1, stage, acc_dkv0, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                 for h, d in T.Parallel(HG, C0):
                     if h0 + h < heads:
                         dQ[b_i, s_i, h0 + h, d] = T.cast(acc_dq0[h, d], bf16)
@@ -345,9 +259,6 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
             elif tx < 256:
                 # consumer 1
                 T.set_max_nreg(NREG[1], 1)
-                if pair:
-                    if rank == 0 and tx == 128:
-                        T.call_extern("handle", "smqa_arrive_peer", T.address_of(cbar[3]), 1)
                 for h in T.Parallel(HG):
                     delta_f[h] = T.if_then_else(h0 + h < heads, Delta[b_i, s_i, h0 + h], 0.0)
                 T.clear(acc_dq1)
@@ -367,7 +278,7 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                     T.wgmma_gemm(dO_shared[:, C0:D], KV_shared[st, :, C0:D], acc_dp, transpose_B=True)
                     if kb > 0:
                         for r in late_a:
-                            round_(1, r, kb - 1, stage, acc_dkv1, acc_dkvt, row_idx, Acc, tx, fx, b_i, cbar, rank)
+                            send_round(1, r, kb - 1, stage, acc_dkv1, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                     T.wait_wgmma(0)
                     T.barrier_wait(bar_p, kb & 1)
                     if kb > 0:
@@ -383,7 +294,7 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                         T.gemm(dS_shared, KV_shared[st, :, D:dqk], acc_dqt)
                     if kb > 0:
                         for r in late_b:
-                            round_(1, r, kb - 1, stage, acc_dkv1, acc_dkvt, row_idx, Acc, tx, fx, b_i, cbar, rank)
+                            send_round(1, r, kb - 1, stage, acc_dkv1, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                     if tx - 128 < R:
                         for r in T.unroll(NR):
                             row_idx[r] = idx_shared[st, r * R + tx - 128]
@@ -394,10 +305,10 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                         T.gemm(Q_shared[:, D:dqk], dS_shared, acc_dkvt, transpose_A=True, clear_accum=True)
                     T.barrier_arrive(bar_pds_free)
                     for r in early:
-                        round_(1, r, kb, stage, acc_dkv1, acc_dkvt, row_idx, Acc, tx, fx, b_i, cbar, rank)
+                        send_round(1, r, kb, stage, acc_dkv1, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                 if n_blk > 0:
                     for r in late:
-                        round_(1, r, n_blk - 1, stage, acc_dkv1, acc_dkvt, row_idx, Acc, tx, fx, b_i, cbar, rank)
+                        send_round(1, r, n_blk - 1, stage, acc_dkv1, acc_dkvt, row_idx, Acc, tx, fx, b_i)
                 for h, d in T.Parallel(HG, C0):
                     if h0 + h < heads:
                         dQ[b_i, s_i, h0 + h, C0 + d] = T.cast(acc_dq1[h, d], bf16)
@@ -434,9 +345,5 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                                 )
                     T.cp_async_barrier_noinc(bar_k_ready[st])
                     T.barrier_arrive(bar_k_ready[st])
-
-            if pair:
-                # neither CTA leaves while the other may still write its shared memory or arrive on its barriers
-                T.call_extern("handle", "smqa_cluster_sync")
 
     return sparse_mla_bwd
