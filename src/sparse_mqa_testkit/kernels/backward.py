@@ -48,7 +48,8 @@ Fixed point and precision
 
 What was measured (one H200; anchor B1 S4096 Skv8192 H64 L2048 576/512, finite sink; BENCHMARKS.md)
     Whole call (prep, kernel, final conversion), as committed: 16.0 ms at the anchor, 5.12 ms at L512,
-    31.2 ms at H128; cuDNN's atomic backward in the same process 7.0 / 1.90 / 14.0 ms (2.3x / 2.7x / 2.2x).
+    31.2 ms at H128; cuDNN's atomic backward in the same process 7.0 / 1.90 / 14.0 ms (2.3x / 2.7x / 2.2x),
+    and 6.73 / 1.89 / 13.9 ms in a later run (2.4x / 2.7x / 2.3x): cuDNN's median moves between runs.
     The steps there, anchor / L512 / H128 in ms, each kept only where it won (all give the same bits): the
     first warp-specialised version 23.2 / 8.96 / 45.0; deferring a block's staging rounds into the next block
     (``defer=2``) 22.2 / 8.73 / 43.5; padded staging rows with dkv^T on wgmma 19.2 / 8.10 / 37.8; the rope
@@ -62,6 +63,13 @@ What was measured (one H200; anchor B1 S4096 Skv8192 H64 L2048 576/512, finite s
     Single-role body, earlier measurements (all the same bits): topk_block 16 beats 32 (no spill), bulk beats
     atomic (34.1 vs 41.2 ms), prefetching the next block with cp.async, two wide products instead of five,
     per-warp staging and deeper staging rings were each no faster.
+    Where the floor is (fourth session): the int64 reduction stream alone (this staging, no products, no
+    gathers) takes 13.1-13.3 ms at the anchor, 2.9-3.0 TB/s, and deeper staging does not raise it; products,
+    gathers and staging without the reductions take 12.1 ms; together 15.4 ms. With 0.59 ms outside the
+    kernel, no schedule of this design brings the anchor under 13.6 ms, about 2.0x cuDNN. Measured and
+    dropped: a 1- or 3-stage KV ring, 4-row rounds, the tail's dkv as int64 atomics from registers, and at
+    H128 four protocols merging the two head groups' rows in a 2-CTA cluster (all bit-identical, all 2x slower;
+    with half the global bytes and no exchange H128 was no faster either).
 
 Why not (b) buffer + CSR + ordered reduction, or (c) shards: both move the [S, L, Dqk] fp32 contributions
     through memory at least twice (write, then read to reduce); the bulk int64 reduction moves them once, at
