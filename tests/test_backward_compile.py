@@ -161,3 +161,28 @@ def test_prep_pass_compiles_without_atomics():
         assert "smqa_bwd_prep_kernel" in src
         assert "atomic" not in src.lower() and "red.global" not in src
         assert re.search(r"float\* __restrict__ Delta", src) and re.search(r"float\* __restrict__ Bound", src)
+
+
+def test_reduction_benchmark_compiles_and_pads_to_its_occupancy():
+    """``benchmarks/bench_reduce.py`` (the int64 bulk-reduction floor behind issue 6's BENCHMARKS numbers):
+    its kernel compiles for sm_90a, sends rows only with the bulk .add.u64, and its shared memory admits
+    exactly the blocks per SM its config names."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "bench_reduce.py"
+    spec = importlib.util.spec_from_file_location("bench_reduce", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.parse("16x2/3w256") == (16, 2, 3, 256)
+    for config in ("8x2/1", "8x2/3"):
+        kernel = mod.build(*mod.parse(config), 132)
+        src = kernel.get_kernel_source()
+        assert set(re.findall(r"cp\.reduce\.async\.bulk[\w:.]*", src)) == {
+            "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64"}
+        assert "smqa_bulk_add_u64((" in src and "AtomicAdd" not in src
+        words = int(re.search(r'sblock_alloc_buffer\(\((\d+),\), "int64", scope="shared.dyn"',
+                              str(kernel.adapter.ir_module)).group(1))
+        per_sm = mod.parse(config)[2]
+        # an SM has 228 KB of shared memory and each block also takes 1 KB of it
+        assert (228 * 1024) // (words * 8 + 1024) == per_sm, (config, words * 8)

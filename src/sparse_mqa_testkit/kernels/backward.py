@@ -64,9 +64,10 @@ What was measured (one H200; anchor B1 S4096 Skv8192 H64 L2048 576/512, finite s
     atomic (34.1 vs 41.2 ms), prefetching the next block with cp.async, two wide products instead of five,
     per-warp staging and deeper staging rings were each no faster.
     Where the floor is (fourth session): the int64 reduction stream alone (this staging, no products, no
-    gathers) takes 13.1-13.3 ms at the anchor, 2.9-3.0 TB/s, and deeper staging does not raise it; products,
-    gathers and staging without the reductions take 12.1 ms; together 15.4 ms. With 0.59 ms outside the
-    kernel, no schedule of this path brings the anchor under 13.6 ms, about 2.0x cuDNN. Measured and
+    gathers) takes 13.1-13.3 ms at the anchor, the 2.93 TB/s that int64 bulk row reduction reaches on the H200
+    however it is staged (``benchmarks/bench_reduce.py``); products, gathers and staging without the reductions
+    take 12.1 ms; together 15.4 ms. With 0.59 ms outside the kernel, no kernel that sends these int64 rows
+    brings the anchor under 13.7 ms, about 2.0x cuDNN: fewer bytes are the only way past it. Measured and
     dropped: a 1- or 3-stage KV ring, 4-row rounds, the tail's dkv as int64 atomics from registers, and at
     H128 four protocols merging the two head groups' rows in a 2-CTA cluster (all bit-identical, all 2x slower;
     with half the global bytes and no exchange H128 was no faster either).

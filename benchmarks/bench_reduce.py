@@ -1,0 +1,128 @@
+"""How fast int64 rows reach an L2-resident accumulator by bulk reduction from shared memory (TileLang, sm_90a).
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_reduce.py [--rows 8388608] [--configs 8x1/1,8x2/1,...]
+    python benchmarks/bench_reduce.py --compile-only      # fill TILELANG_CACHE_DIR on a machine without a GPU
+
+The deterministic backward (``kernels.backward``) sends every dkv contribution as int64 rows with
+``cp.reduce.async.bulk .add.u64`` from a shared-memory staging ring. This is that path and nothing else: each
+thread block stages ``R`` rows of cheap integers per round in one of ``NBUF`` buffers, ``R`` threads send one
+row each to a random accumulator row, and a buffer is rewritten once its last reduction has read it. The default
+row count is the anchor's S * L = 8,388,608 rows of 576 (38.7 GB) into Skv = 8192 rows, so the time is the
+reduction floor of a kernel that sends the anchor's bytes this way. A config ``RxB/K`` is R rows x B buffers
+with K thread blocks per SM (shared memory is padded so that no more fit); ``w256`` sends 256-column rows.
+Before timing, each config's sums are checked exactly against torch's ``index_add_`` on a smaller row count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+THREADS = 128
+ACC_ROWS = 8192
+SMEM_PER_SM = 228 * 1024  # an SM's shared memory; each block also takes 1 KB of it, and 227 KB at most
+CONFIGS = "8x1/1,8x2/1,8x4/1,16x2/1,8x2/2,8x2/3,8x1/6,8x1/1w256,8x2/3w256"
+
+
+def parse(spec: str) -> tuple[int, int, int, int]:
+    """'8x2/3w256' -> (rows per round, buffers, blocks per SM, row width)."""
+    width = 576
+    if spec.endswith("w256"):
+        spec, width = spec[:-4], 256
+    rb, per_sm = spec.split("/")
+    rows, bufs = rb.split("x")
+    return int(rows), int(bufs), int(per_sm), width
+
+
+def build(rows: int, bufs: int, per_sm: int, width: int, n_sms: int):
+    import tilelang
+    import tilelang.language as T
+
+    from sparse_mqa_testkit.kernels.backward import _PRELUDE, TARGET
+
+    wp = width + 2  # padded as the backward's staging rows are (bank spread of the int64 stores)
+    stage_bytes = bufs * rows * wp * 8
+    # pad shared memory so that at most per_sm blocks fit on one SM
+    pad = max(2, (min(SMEM_PER_SM // per_sm, 227 * 1024) - 1536 - stage_bytes) // 8)
+    grid = n_sms * per_sm
+    n_items = T.dynamic("n_items")
+
+    @T.prim_func
+    def bulk_reduce(Rows: T.Tensor([n_items], T.int32), Acc: T.Tensor([ACC_ROWS, width], T.int64)):
+        with T.Kernel(grid, threads=THREADS, prelude=_PRELUDE) as bx:
+            # the tail past the ring only holds shared memory (a separate buffer would be merged away)
+            stage = T.alloc_shared([bufs * rows * wp + pad], T.int64)
+            tx = T.get_thread_binding()
+            n_rounds = T.ceildiv(n_items, rows)
+            for i in T.serial(T.ceildiv(T.max(n_rounds - bx, 0), grid)):
+                g = bx + i * grid  # this round: items g * rows .. g * rows + rows - 1
+                base = (i % bufs) * rows * wp
+                if tx < rows:
+                    T.call_extern("handle", f"smqa_bulk_wait_read_n<{bufs - 1}>")
+                T.sync_threads()
+                for r, d in T.Parallel(rows, width):
+                    stage[base + r * wp + d] = T.cast(g * rows + r, T.int64) * 1024 + d
+                T.fence_proxy_async()
+                T.sync_threads()
+                if tx < rows:
+                    if g * rows + tx < n_items:
+                        T.call_extern("handle", "smqa_bulk_add_u64", T.address_of(stage[base + tx * wp]),
+                                      T.address_of(Acc[Rows[g * rows + tx], 0]), width * 8)
+                    T.call_extern("handle", "smqa_bulk_commit")
+            if tx < rows:
+                T.call_extern("handle", "smqa_bulk_wait_all")
+
+    return tilelang.compile(bulk_reduce, out_idx=None, target=TARGET)
+
+
+def expected(rows_idx, width):
+    """What the kernel adds: row item gets item * 1024 + column, summed per accumulator row."""
+    import torch
+
+    items = torch.arange(rows_idx.numel(), device=rows_idx.device, dtype=torch.int64)
+    vals = items[:, None] * 1024 + torch.arange(width, device=rows_idx.device, dtype=torch.int64)[None, :]
+    return torch.zeros(ACC_ROWS, width, dtype=torch.int64, device=rows_idx.device).index_add_(
+        0, rows_idx.long(), vals)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=4096 * 2048, help="rows sent (default: the anchor's S * L)")
+    ap.add_argument("--configs", default=CONFIGS)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--sms", type=int, default=132, help="SMs to size the grid for (read from the GPU if present)")
+    ap.add_argument("--compile-only", action="store_true")
+    a = ap.parse_args(argv)
+    specs = a.configs.split(",")
+    if a.compile_only:
+        for s in specs:
+            build(*parse(s), a.sms)
+            print(f"compiled {s}", flush=True)
+        return 0
+
+    import torch
+
+    from sparse_mqa_testkit import bench
+
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if n_sms != a.sms:
+        print(f"note: {n_sms} SMs here, kernels compiled for --sms {a.sms} are rebuilt", flush=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows_idx = torch.randint(0, ACC_ROWS, (a.rows,), generator=g, device="cuda", dtype=torch.int32)
+    check_idx = rows_idx[:100_003]
+    print(f"{'config':12s} {'ms':>8s} {'TB/s':>6s}  exact  ({a.rows} rows into {ACC_ROWS})", flush=True)
+    for s in specs:
+        rows, bufs, per_sm, width = parse(s)
+        k = build(rows, bufs, per_sm, width, n_sms)
+        acc = torch.zeros(ACC_ROWS, width, dtype=torch.int64, device="cuda")
+        k(check_idx, acc)
+        exact = torch.equal(acc, expected(check_idx, width))
+        times = bench.time_calls(lambda _: k(rows_idx, acc), 1, 2, a.iters, "cuda")
+        ms = statistics.median(times)
+        print(f"{s:12s} {ms:8.3f} {a.rows * width * 8 / ms / 1e9:6.2f}  {exact}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
