@@ -9,8 +9,10 @@ thread block stages ``R`` rows of cheap integers per round in one of ``NBUF`` bu
 row each to a random accumulator row, and a buffer is rewritten once its last reduction has read it. The default
 row count is the anchor's S * L = 8,388,608 rows of 576 (38.7 GB) into Skv = 8192 rows, so the time is the
 reduction floor of a kernel that sends the anchor's bytes this way. A config ``RxB/K`` is R rows x B buffers
-with K thread blocks per SM (shared memory is padded so that no more fit); ``w256`` sends 256-column rows.
-Before timing, each config's sums are checked exactly against torch's ``index_add_`` on a smaller row count.
+with K thread blocks per SM (shared memory is padded so that no more fit); ``w256`` sends 256-column rows;
+``f32`` sends float32 rows with ``.add.f32`` instead (what a float32-atomic backward such as cuDNN's moves: half
+the bytes, in an order-dependent sum). Before timing, each config's sums are checked exactly against torch's
+``index_add_`` on a smaller row count (float32 rows carry small integers, so their sums are exact too).
 """
 
 from __future__ import annotations
@@ -22,37 +24,48 @@ import sys
 THREADS = 128
 ACC_ROWS = 8192
 SMEM_PER_SM = 228 * 1024  # an SM's shared memory; each block also takes 1 KB of it, and 227 KB at most
-CONFIGS = "8x1/1,8x2/1,8x4/1,16x2/1,8x2/2,8x2/3,8x1/6,8x1/1w256,8x2/3w256"
+CONFIGS = "8x1/1,8x2/1,8x4/1,16x2/1,8x2/2,8x2/3,8x1/6,8x1/1w256,8x2/3w256,8x2/1f32,16x2/1f32,8x2/3f32"
+_PRELUDE_F32 = r"""
+__device__ __forceinline__ void smqa_bulk_add_f32(void const* smem, void* gmem, int bytes) {
+  unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :: "l"(gmem), "r"(s), "r"(bytes) : "memory");
+}
+"""
 
 
-def parse(spec: str) -> tuple[int, int, int, int]:
-    """'8x2/3w256' -> (rows per round, buffers, blocks per SM, row width)."""
-    width = 576
+def parse(spec: str) -> tuple[int, int, int, int, str]:
+    """'8x2/3w256' -> (rows per round, buffers, blocks per SM, row width, element type)."""
+    width, dtype = 576, "int64"
+    if spec.endswith("f32"):
+        spec, dtype = spec[:-3], "float32"
     if spec.endswith("w256"):
         spec, width = spec[:-4], 256
     rb, per_sm = spec.split("/")
     rows, bufs = rb.split("x")
-    return int(rows), int(bufs), int(per_sm), width
+    return int(rows), int(bufs), int(per_sm), width, dtype
 
 
-def build(rows: int, bufs: int, per_sm: int, width: int, n_sms: int):
+def build(rows: int, bufs: int, per_sm: int, width: int, dtype: str, n_sms: int):
     import tilelang
     import tilelang.language as T
 
     from sparse_mqa_testkit.kernels.backward import _PRELUDE, TARGET
 
-    wp = width + 2  # padded as the backward's staging rows are (bank spread of the int64 stores)
-    stage_bytes = bufs * rows * wp * 8
+    esize = 8 if dtype == "int64" else 4
+    wp = width + 16 // esize  # rows padded by 16 bytes, as the backward's staging rows are (bank spread)
+    stage_bytes = bufs * rows * wp * esize
     # pad shared memory so that at most per_sm blocks fit on one SM
-    pad = max(2, (min(SMEM_PER_SM // per_sm, 227 * 1024) - 1536 - stage_bytes) // 8)
+    pad = max(2, (min(SMEM_PER_SM // per_sm, 227 * 1024) - 1536 - stage_bytes) // esize)
+    send = "smqa_bulk_add_u64" if dtype == "int64" else "smqa_bulk_add_f32"
     grid = n_sms * per_sm
     n_items = T.dynamic("n_items")
 
     @T.prim_func
-    def bulk_reduce(Rows: T.Tensor([n_items], T.int32), Acc: T.Tensor([ACC_ROWS, width], T.int64)):
-        with T.Kernel(grid, threads=THREADS, prelude=_PRELUDE) as bx:
+    def bulk_reduce(Rows: T.Tensor([n_items], T.int32), Acc: T.Tensor([ACC_ROWS, width], dtype)):
+        with T.Kernel(grid, threads=THREADS, prelude=_PRELUDE + _PRELUDE_F32) as bx:
             # the tail past the ring only holds shared memory (a separate buffer would be merged away)
-            stage = T.alloc_shared([bufs * rows * wp + pad], T.int64)
+            stage = T.alloc_shared([bufs * rows * wp + pad], dtype)
             tx = T.get_thread_binding()
             n_rounds = T.ceildiv(n_items, rows)
             for i in T.serial(T.ceildiv(T.max(n_rounds - bx, 0), grid)):
@@ -62,13 +75,16 @@ def build(rows: int, bufs: int, per_sm: int, width: int, n_sms: int):
                     T.call_extern("handle", f"smqa_bulk_wait_read_n<{bufs - 1}>")
                 T.sync_threads()
                 for r, d in T.Parallel(rows, width):
-                    stage[base + r * wp + d] = T.cast(g * rows + r, T.int64) * 1024 + d
+                    if dtype == "int64":
+                        stage[base + r * wp + d] = T.cast(g * rows + r, T.int64) * 1024 + d
+                    else:
+                        stage[base + r * wp + d] = T.cast((g * rows + r) % 64 + d % 7, T.float32)
                 T.fence_proxy_async()
                 T.sync_threads()
                 if tx < rows:
                     if g * rows + tx < n_items:
-                        T.call_extern("handle", "smqa_bulk_add_u64", T.address_of(stage[base + tx * wp]),
-                                      T.address_of(Acc[Rows[g * rows + tx], 0]), width * 8)
+                        T.call_extern("handle", send, T.address_of(stage[base + tx * wp]),
+                                      T.address_of(Acc[Rows[g * rows + tx], 0]), width * esize)
                     T.call_extern("handle", "smqa_bulk_commit")
             if tx < rows:
                 T.call_extern("handle", "smqa_bulk_wait_all")
@@ -76,14 +92,16 @@ def build(rows: int, bufs: int, per_sm: int, width: int, n_sms: int):
     return tilelang.compile(bulk_reduce, out_idx=None, target=TARGET)
 
 
-def expected(rows_idx, width):
-    """What the kernel adds: row item gets item * 1024 + column, summed per accumulator row."""
+def expected(rows_idx, width, dtype):
+    """What the kernel adds, summed per accumulator row: item * 1024 + column (int64), or the small integers
+    item % 64 + column % 7 (float32, exact in any order)."""
     import torch
 
-    items = torch.arange(rows_idx.numel(), device=rows_idx.device, dtype=torch.int64)
-    vals = items[:, None] * 1024 + torch.arange(width, device=rows_idx.device, dtype=torch.int64)[None, :]
-    return torch.zeros(ACC_ROWS, width, dtype=torch.int64, device=rows_idx.device).index_add_(
-        0, rows_idx.long(), vals)
+    items = torch.arange(rows_idx.numel(), device=rows_idx.device, dtype=torch.int64)[:, None]
+    cols = torch.arange(width, device=rows_idx.device, dtype=torch.int64)[None, :]
+    vals = items * 1024 + cols if dtype == "int64" else items % 64 + cols % 7
+    out = torch.zeros(ACC_ROWS, width, dtype=torch.int64, device=rows_idx.device).index_add_(0, rows_idx.long(), vals)
+    return out if dtype == "int64" else out.float()
 
 
 def main(argv=None) -> int:
@@ -113,14 +131,15 @@ def main(argv=None) -> int:
     check_idx = rows_idx[:100_003]
     print(f"{'config':12s} {'ms':>8s} {'TB/s':>6s}  exact  ({a.rows} rows into {ACC_ROWS})", flush=True)
     for s in specs:
-        rows, bufs, per_sm, width = parse(s)
-        k = build(rows, bufs, per_sm, width, n_sms)
-        acc = torch.zeros(ACC_ROWS, width, dtype=torch.int64, device="cuda")
+        rows, bufs, per_sm, width, dtype = parse(s)
+        k = build(rows, bufs, per_sm, width, dtype, n_sms)
+        acc = torch.zeros(ACC_ROWS, width, dtype=getattr(torch, dtype), device="cuda")
         k(check_idx, acc)
-        exact = torch.equal(acc, expected(check_idx, width))
+        exact = torch.equal(acc, expected(check_idx, width, dtype))
         times = bench.time_calls(lambda _: k(rows_idx, acc), 1, 2, a.iters, "cuda")
         ms = statistics.median(times)
-        print(f"{s:12s} {ms:8.3f} {a.rows * width * 8 / ms / 1e9:6.2f}  {exact}", flush=True)
+        esize = 8 if dtype == "int64" else 4
+        print(f"{s:12s} {ms:8.3f} {a.rows * width * esize / ms / 1e9:6.2f}  {exact}", flush=True)
     return 0
 
 

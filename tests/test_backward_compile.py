@@ -174,15 +174,19 @@ def test_reduction_benchmark_compiles_and_pads_to_its_occupancy():
     spec = importlib.util.spec_from_file_location("bench_reduce", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.parse("16x2/3w256") == (16, 2, 3, 256)
-    for config in ("8x2/1", "8x2/3"):
+    assert mod.parse("16x2/3w256") == (16, 2, 3, 256, "int64") and mod.parse("8x1/2f32")[-1] == "float32"
+    for config in ("8x2/1", "8x2/3", "8x2/3f32"):
         kernel = mod.build(*mod.parse(config), 132)
         src = kernel.get_kernel_source()
-        assert set(re.findall(r"cp\.reduce\.async\.bulk[\w:.]*", src)) == {
-            "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64"}
-        assert "smqa_bulk_add_u64((" in src and "AtomicAdd" not in src
-        words = int(re.search(r'sblock_alloc_buffer\(\((\d+),\), "int64", scope="shared.dyn"',
+        dtype = mod.parse(config)[-1]
+        sends = set(re.findall(r"(smqa_bulk_add_\w+)\(\(", src))
+        assert sends == {"smqa_bulk_add_u64" if dtype == "int64" else "smqa_bulk_add_f32"}, sends
+        assert "AtomicAdd" not in src
+        # (TIR prints no dtype for float32, its default)
+        typed = "" if dtype == "float32" else f', "{dtype}"'
+        words = int(re.search(rf'sblock_alloc_buffer\(\((\d+),\){typed}, scope="shared.dyn"',
                               str(kernel.adapter.ir_module)).group(1))
         per_sm = mod.parse(config)[2]
         # an SM has 228 KB of shared memory and each block also takes 1 KB of it
-        assert (228 * 1024) // (words * 8 + 1024) == per_sm, (config, words * 8)
+        size = words * (8 if dtype == "int64" else 4)
+        assert (228 * 1024) // (size + 1024) == per_sm, (config, size)

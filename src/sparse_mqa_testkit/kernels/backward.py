@@ -66,8 +66,9 @@ What was measured (one H200; anchor B1 S4096 Skv8192 H64 L2048 576/512, finite s
     Where the floor is (fourth session): the int64 reduction stream alone (this staging, no products, no
     gathers) takes 13.1-13.3 ms at the anchor, the 2.93 TB/s that int64 bulk row reduction reaches on the H200
     however it is staged (``benchmarks/bench_reduce.py``); products, gathers and staging without the reductions
-    take 12.1 ms; together 15.4 ms. With 0.59 ms outside the kernel, no kernel that sends these int64 rows
-    brings the anchor under 13.7 ms, about 2.0x cuDNN: fewer bytes are the only way past it. Measured and
+    take 12.1 ms; together 15.4 ms. The anchor's float32 rows (what cuDNN's atomics move) take 6.35 ms the same
+    way, so an exact int64-row kernel is at least 2.07x a float32 one that does nothing else, and cuDNN's whole
+    call is within about 10 % of that: fewer reduction bytes are the only way to <= 2x. Measured and
     dropped: a 1- or 3-stage KV ring, 4-row rounds, the tail's dkv as int64 atomics from registers, and at
     H128 four protocols merging the two head groups' rows in a 2-CTA cluster (all bit-identical, all 2x slower;
     with half the global bytes and no exchange H128 was no faster either).
