@@ -1,4 +1,4 @@
-"""How fast int64 rows reach an L2-resident accumulator by bulk reduction from shared memory (TileLang, sm_90a).
+"""How fast int64 (or float32) rows reach an L2-resident accumulator by bulk reduction from shared memory.
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_reduce.py [--rows 8388608] [--configs 8x1/1,8x2/1,...]
     python benchmarks/bench_reduce.py --compile-only      # fill TILELANG_CACHE_DIR on a machine without a GPU
@@ -25,6 +25,8 @@ THREADS = 128
 ACC_ROWS = 8192
 SMEM_PER_SM = 228 * 1024  # an SM's shared memory; each block also takes 1 KB of it, and 227 KB at most
 CONFIGS = "8x1/1,8x2/1,8x4/1,16x2/1,8x2/2,8x2/3,8x1/6,8x1/1w256,8x2/3w256,8x2/1f32,16x2/1f32,8x2/3f32"
+ESIZE = {"int64": 8, "float32": 4}  # bytes per element
+# the backward's prelude has the .add.u64 flavour only
 _PRELUDE_F32 = r"""
 __device__ __forceinline__ void smqa_bulk_add_f32(void const* smem, void* gmem, int bytes) {
   unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
@@ -52,7 +54,7 @@ def build(rows: int, bufs: int, per_sm: int, width: int, dtype: str, n_sms: int)
 
     from sparse_mqa_testkit.kernels.backward import _PRELUDE, TARGET
 
-    esize = 8 if dtype == "int64" else 4
+    esize = ESIZE[dtype]
     wp = width + 16 // esize  # rows padded by 16 bytes, as the backward's staging rows are (bank spread)
     stage_bytes = bufs * rows * wp * esize
     # pad shared memory so that at most per_sm blocks fit on one SM
@@ -138,8 +140,7 @@ def main(argv=None) -> int:
         exact = torch.equal(acc, expected(check_idx, width, dtype))
         times = bench.time_calls(lambda _: k(rows_idx, acc), 1, 2, a.iters, "cuda")
         ms = statistics.median(times)
-        esize = 8 if dtype == "int64" else 4
-        print(f"{s:12s} {ms:8.3f} {a.rows * width * esize / ms / 1e9:6.2f}  {exact}", flush=True)
+        print(f"{s:12s} {ms:8.3f} {a.rows * width * ESIZE[dtype] / ms / 1e9:6.2f}  {exact}", flush=True)
     return 0
 
 

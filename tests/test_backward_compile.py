@@ -188,5 +188,5 @@ def test_reduction_benchmark_compiles_and_pads_to_its_occupancy():
                               str(kernel.adapter.ir_module)).group(1))
         per_sm = mod.parse(config)[2]
         # an SM has 228 KB of shared memory and each block also takes 1 KB of it
-        size = words * (8 if dtype == "int64" else 4)
+        size = words * mod.ESIZE[dtype]
         assert (228 * 1024) // (size + 1024) == per_sm, (config, size)
