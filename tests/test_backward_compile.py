@@ -165,8 +165,8 @@ def test_prep_pass_compiles_without_atomics():
 
 def test_reduction_benchmark_compiles_and_pads_to_its_occupancy():
     """``benchmarks/bench_reduce.py`` (the int64 bulk-reduction floor behind issue 6's BENCHMARKS numbers):
-    its kernel compiles for sm_90a, sends rows only with the bulk .add.u64, and its shared memory admits
-    exactly the blocks per SM its config names."""
+    its kernel compiles for sm_90a, sends rows only with its config's bulk reduction (.add.u64, or .add.f32 for
+    the float32 configs), and its shared memory admits exactly the blocks per SM the config names."""
     import importlib.util
     import pathlib
 

@@ -70,7 +70,7 @@ What was measured (one H200; anchor B1 S4096 Skv8192 H64 L2048 576/512, finite s
     way, so an exact int64-row kernel is at least 2.07x a float32 one that does nothing else, and cuDNN's whole
     call is within about 10 % of that: fewer reduction bytes are the only way to <= 2x. Measured and
     dropped: a 1- or 3-stage KV ring, 4-row rounds, the tail's dkv as int64 atomics from registers, and at
-    H128 four protocols merging the two head groups' rows in a 2-CTA cluster (all bit-identical, all 2x slower;
+    H128 four protocols merging the two head groups' rows in a 2-CTA cluster (all bit-identical, all 2-3x slower;
     with half the global bytes and no exchange H128 was no faster either).
 
 Why not (b) buffer + CSR + ordered reduction, or (c) shards: both move the [S, L, Dqk] fp32 contributions
