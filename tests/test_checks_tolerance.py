@@ -243,19 +243,25 @@ def test_emulated_kernel_within_model_on_drawn_production_dims(case):
     assert res.passed and res.ratio < 1, res.message
 
 
+def _assert_dkv_needs_term(monkeypatch, case, term):
+    """The emulated kernel passes ``case``, dkv's ``term`` allowance is larger than its rounded-oracle one, and
+    with that term zeroed the same case fails on dkv."""
+    import sparse_mqa_testkit.checks.tolerance as tol
+
+    res = check_backward_tolerance(EmulatedKernel(), case)
+    assert res.passed, res.message
+    assert res.per_tensor["dkv"][f"{term}_error"] > res.per_tensor["dkv"]["reference_error"]
+    monkeypatch.setattr(tol, f"{term}_allowance", lambda name, case: 0.0)
+    res = check_backward_tolerance(EmulatedKernel(), case)
+    assert not res.passed and "dkv:" in res.message
+
+
 def test_delta_allowance_is_what_lets_a_peaked_softmax_pass(monkeypatch):
     # sm_scale 0.5 on 576 dims: nearly one-hot P, so dS = P (dp - Delta) cancels and the kernel's Delta from
     # the bf16 out dominates dkv's error; the rounded oracle alone cannot see that
     case = Case(B=2, S=1, Skv=13, H=13, L=13, Dqk=576, Dv=512, sm_scale=0.5, sink="pos_inf", invalid="tails",
                 duplicates=True, order="sorted", seed=8)
-    res = check_backward_tolerance(EmulatedKernel(), case)
-    assert res.passed, res.message
-    assert res.per_tensor["dkv"]["delta_error"] > res.per_tensor["dkv"]["reference_error"]
-    import sparse_mqa_testkit.checks.tolerance as tol
-
-    monkeypatch.setattr(tol, "delta_allowance", lambda name, case: 0.0)
-    res = check_backward_tolerance(EmulatedKernel(), case)
-    assert not res.passed and "dkv:" in res.message
+    _assert_dkv_needs_term(monkeypatch, case, "delta")
 
 
 def test_repeat_allowance_is_what_lets_coherent_rounding_pass(monkeypatch):
@@ -263,14 +269,7 @@ def test_repeat_allowance_is_what_lets_coherent_rounding_pass(monkeypatch):
     # one rounding 15 times (found by the conformance suite on an H200 and in the NumPy model alike); a small
     # sm_scale keeps the Delta term (sm_scale dDelta q per slot) from covering it as well
     case = Case(S=1, Skv=1, H=1, L=15, Dqk=576, Dv=512, sm_scale=0.01)
-    res = check_backward_tolerance(EmulatedKernel(), case)
-    assert res.passed, res.message
-    assert res.per_tensor["dkv"]["repeat_error"] > res.per_tensor["dkv"]["reference_error"]
-    import sparse_mqa_testkit.checks.tolerance as tol
-
-    monkeypatch.setattr(tol, "repeat_allowance", lambda name, case: 0.0)
-    res = check_backward_tolerance(EmulatedKernel(), case)
-    assert not res.passed and "dkv:" in res.message
+    _assert_dkv_needs_term(monkeypatch, case, "repeat")
 
 
 def test_repeat_allowance_counts_only_repeated_rows():
