@@ -1,10 +1,10 @@
-"""Benchmark of our TileLang sparse-MLA forward (``sparse_mqa_testkit.kernels.forward``) on one GPU.
+"""Benchmark of our TileLang sparse-MQA forward (``sparse_mqa_kernels.forward``) on one GPU.
 
 Default case: DeepSeek-V3.2 prefill shape B1 S4096 Skv8192 H64 L2048, Dqk/Dv 576/512, a finite sink, every
 slot valid (distinct random indices per row). Times with CUDA events after warm-up (median of many runs) and,
 in the same run, a peer: the same math in PyTorch (gather + bf16 matmuls + fp32 softmax). Before timing, the
-first rows are checked against a float64 evaluation on the GPU (relative L2 of out within 2.5x its bf16
-rounding, lse within 5e-5 (1 + |lse|)), so the timed kernel is a correct one.
+first rows are checked against the testkit's device oracle (float64 on the GPU: relative L2 of out within
+2.5x its bf16 rounding, lse within 5e-5 (1 + |lse|)), so the timed kernel is a correct one.
 
 FLOP = 2 * B * S * H * L * (Dqk + Dv)  (scores and P V; softmax not counted).
 
@@ -19,30 +19,13 @@ import math
 import statistics
 import sys
 
-from sparse_mqa_testkit import bench
-
-
-def reference_rows(q, kv, idx, sm_scale, dv, attn_sink, rows):
-    """Contract forward for the first ``rows`` query rows of batch 0, float64 on the GPU."""
-    import torch
-
-    Skv = kv.shape[1]
-    ids = idx[0, :rows].long()
-    valid = (ids >= 0) & (ids < Skv)
-    g = kv[0][ids.clamp(0, Skv - 1)].double()  # rows, L, Dqk
-    s = torch.einsum("rhd,rld->rhl", q[0, :rows].double(), g) * sm_scale
-    s = s.masked_fill(~valid[:, None, :], -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    denom = lse if attn_sink is None else torch.logaddexp(lse, attn_sink.double()[None, :])
-    p = torch.exp(s - denom[..., None])
-    out = torch.einsum("rhl,rld->rhd", p, g[..., :dv])
-    return out, lse
+import torch
+from sparse_mqa_kernels.bench import shapes, timing
+from sparse_mqa_testkit import contract, device_oracle
 
 
 def torch_peer(q, kv, idx, sm_scale, dv, attn_sink, chunk=1024):
     """The same forward in PyTorch (bf16 matmuls, fp32 softmax): the peer the kernel's speed is compared with."""
-    import torch
-
     B, S, H, _ = q.shape
     Skv = kv.shape[1]
     out = torch.empty(B, S, H, dv, dtype=torch.bfloat16, device=q.device)
@@ -50,7 +33,7 @@ def torch_peer(q, kv, idx, sm_scale, dv, attn_sink, chunk=1024):
     for b in range(B):
         for s0 in range(0, S, chunk):
             ids = idx[b, s0:s0 + chunk].long()
-            valid = (ids >= 0) & (ids < Skv)
+            valid = contract.valid_mask(ids, Skv)
             g = kv[b][ids.clamp(0, Skv - 1)]
             s = torch.bmm(q[b, s0:s0 + chunk], g.transpose(1, 2)).float() * sm_scale
             s = s.masked_fill(~valid[:, None, :], -math.inf)
@@ -79,35 +62,36 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
 
-    import torch
+    from sparse_mqa_kernels.forward import sparse_mqa_forward
 
-    from sparse_mqa_testkit.kernels.forward import sparse_mla_forward
-
-    shape = bench.Shape(B=a.B, S=a.S, Skv=a.Skv, H=a.H, L=a.L, Dqk=a.dqk, Dv=a.dv)
-    x = bench.make_inputs(shape, "cuda", seed=0, sink=not a.no_sink)
+    shape = shapes.Shape(B=a.B, S=a.S, Skv=a.Skv, H=a.H, L=a.L, Dqk=a.dqk, Dv=a.dv)
+    x = shapes.make_inputs(shape, "cuda", seed=0, sink=not a.no_sink)
     q, kv, idx, sink, sm_scale = x["q"], x["kv"], x["indices"], x["attn_sink"], x["sm_scale"]
 
     def ours():
-        return sparse_mla_forward(q, kv, idx, sm_scale, a.dv, attn_sink=sink)
+        return sparse_mqa_forward(q, kv, idx, sm_scale, a.dv, attn_sink=sink)
 
     out, lse = ours()
     torch.cuda.synchronize()
-    ref_out, ref_lse = reference_rows(q, kv, idx, sm_scale, a.dv, sink, a.check_rows)
-    o = out[0, :a.check_rows].double()
+    rows = slice(0, a.check_rows)
+    ref_out, ref_lse = device_oracle.forward(q[:1, rows], kv[:1], idx[:1, rows], sm_scale=sm_scale, d_v=a.dv,
+                                             attn_sink=sink)
+    ref_out, ref_lse = ref_out[0], ref_lse[0]
+    o = out[0, rows].double()
     rounding = (ref_out.bfloat16().double() - ref_out).norm() / ref_out.norm()
     err = (o - ref_out).norm() / ref_out.norm()
-    lse_err = ((lse[0, :a.check_rows].double() - ref_lse).abs() / (1 + ref_lse.abs())).max()
+    lse_err = ((lse[0, rows].double() - ref_lse).abs() / (1 + ref_lse.abs())).max()
     correct = bool(err <= 2.5 * rounding + 1e-4 and lse_err <= 5e-5)
 
-    times = bench.time_calls(lambda k: ours(), 1, a.warmup, a.iters, "cuda")
+    times = timing.time_calls(lambda k: ours(), 1, a.warmup, a.iters, "cuda")
     ms, ms_min = statistics.median(times), min(times)
-    peer_ms = statistics.median(bench.time_calls(lambda k: torch_peer(q, kv, idx, sm_scale, a.dv, sink), 1, 1,
+    peer_ms = statistics.median(timing.time_calls(lambda k: torch_peer(q, kv, idx, sm_scale, a.dv, sink), 1, 1,
                                                  a.peer_iters, "cuda"))
     res = {
         "case": f"B{a.B} S{a.S} Skv{a.Skv} H{a.H} L{a.L} {a.dqk}/{a.dv} sink={'none' if a.no_sink else 'finite'}",
         "device": torch.cuda.get_device_name(),
         "ms_median": round(ms, 4), "ms_min": round(ms_min, 4), "iters": a.iters, "warmup": a.warmup,
-        "tflops": round(bench.tflops(shape, "forward", ms), 1),
+        "tflops": round(shapes.tflops(shape, "forward", ms), 1),
         "peer_torch_ms_median": round(peer_ms, 3), "speedup_vs_torch": round(peer_ms / ms, 2),
         "check_rows": a.check_rows, "out_rel_l2": float(err), "out_bf16_rounding_rel_l2": float(rounding),
         "lse_scaled_abs_err": float(lse_err), "correct": correct,

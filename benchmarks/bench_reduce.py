@@ -3,7 +3,7 @@
     PYTHONUNBUFFERED=1 python benchmarks/bench_reduce.py [--rows 8388608] [--configs 8x1/1,8x2/1,...]
     python benchmarks/bench_reduce.py --compile-only      # fill TILELANG_CACHE_DIR on a machine without a GPU
 
-The deterministic backward (``kernels.backward``) sends every dkv contribution as int64 rows with
+The deterministic backward (``sparse_mqa_kernels.backward``) sends every dkv contribution as int64 rows with
 ``cp.reduce.async.bulk .add.u64`` from a shared-memory staging ring. This is that path and nothing else: each
 thread block stages ``R`` rows of cheap integers per round in one of ``NBUF`` buffers, ``R`` threads send one
 row each to a random accumulator row, and a buffer is rewritten once its last reduction has read it. The default
@@ -28,7 +28,7 @@ CONFIGS = "8x1/1,8x2/1,8x4/1,16x2/1,8x2/2,8x2/3,8x1/6,8x1/1w256,8x2/3w256,8x2/1f
 ESIZE = {"int64": 8, "float32": 4}  # bytes per element
 # the backward's prelude has the .add.u64 flavour only
 _PRELUDE_F32 = r"""
-__device__ __forceinline__ void smqa_bulk_add_f32(void const* smem, void* gmem, int bytes) {
+__device__ __forceinline__ void sparse_mqa_bulk_add_f32(void const* smem, void* gmem, int bytes) {
   unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
                :: "l"(gmem), "r"(s), "r"(bytes) : "memory");
@@ -52,20 +52,20 @@ def build(rows: int, bufs: int, per_sm: int, width: int, dtype: str, n_sms: int)
     import tilelang
     import tilelang.language as T
 
-    from sparse_mqa_testkit.kernels.backward import _PRELUDE, TARGET
+    from sparse_mqa_kernels.backward import PRELUDE, TARGET
 
     esize = ESIZE[dtype]
     wp = width + 16 // esize  # rows padded by 16 bytes, as the backward's staging rows are (bank spread)
     stage_bytes = bufs * rows * wp * esize
     # pad shared memory so that at most per_sm blocks fit on one SM
     pad = max(2, (min(SMEM_PER_SM // per_sm, 227 * 1024) - 1536 - stage_bytes) // esize)
-    send = "smqa_bulk_add_u64" if dtype == "int64" else "smqa_bulk_add_f32"
+    send = "sparse_mqa_bulk_add_u64" if dtype == "int64" else "sparse_mqa_bulk_add_f32"
     grid = n_sms * per_sm
     n_items = T.dynamic("n_items")
 
     @T.prim_func
     def bulk_reduce(Rows: T.Tensor([n_items], T.int32), Acc: T.Tensor([ACC_ROWS, width], dtype)):
-        with T.Kernel(grid, threads=THREADS, prelude=_PRELUDE + _PRELUDE_F32) as bx:
+        with T.Kernel(grid, threads=THREADS, prelude=PRELUDE + _PRELUDE_F32) as bx:
             # the tail past the ring only holds shared memory (a separate buffer would be merged away)
             stage = T.alloc_shared([bufs * rows * wp + pad], dtype)
             tx = T.get_thread_binding()
@@ -74,7 +74,7 @@ def build(rows: int, bufs: int, per_sm: int, width: int, dtype: str, n_sms: int)
                 g = bx + i * grid  # this round: items g * rows .. g * rows + rows - 1
                 base = (i % bufs) * rows * wp
                 if tx < rows:
-                    T.call_extern("handle", f"smqa_bulk_wait_read_n<{bufs - 1}>")
+                    T.call_extern("handle", f"sparse_mqa_bulk_wait_read_n<{bufs - 1}>")
                 T.sync_threads()
                 for r, d in T.Parallel(rows, width):
                     if dtype == "int64":
@@ -87,9 +87,9 @@ def build(rows: int, bufs: int, per_sm: int, width: int, dtype: str, n_sms: int)
                     if g * rows + tx < n_items:
                         T.call_extern("handle", send, T.address_of(stage[base + tx * wp]),
                                       T.address_of(Acc[Rows[g * rows + tx], 0]), width * esize)
-                    T.call_extern("handle", "smqa_bulk_commit")
+                    T.call_extern("handle", "sparse_mqa_bulk_commit")
             if tx < rows:
-                T.call_extern("handle", "smqa_bulk_wait_all")
+                T.call_extern("handle", "sparse_mqa_bulk_wait_all")
 
     return tilelang.compile(bulk_reduce, out_idx=None, target=TARGET)
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from sparse_mqa_testkit import bench
+    from sparse_mqa_kernels.bench import timing
 
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count
     if n_sms != a.sms:
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         acc = torch.zeros(ACC_ROWS, width, dtype=getattr(torch, dtype), device="cuda")
         k(check_idx, acc)
         exact = torch.equal(acc, expected(check_idx, width, dtype))
-        times = bench.time_calls(lambda _: k(rows_idx, acc), 1, 2, a.iters, "cuda")
+        times = timing.time_calls(lambda _: k(rows_idx, acc), 1, 2, a.iters, "cuda")
         ms = statistics.median(times)
         print(f"{s:12s} {ms:8.3f} {a.rows * width * ESIZE[dtype] / ms / 1e9:6.2f}  {exact}", flush=True)
     return 0

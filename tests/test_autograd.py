@@ -9,11 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from sparse_mqa_kernels import autograd as ag  # noqa: E402
+from sparse_mqa_kernels import sparse_mqa_attention  # noqa: E402
 from sparse_mqa_testkit import oracle  # noqa: E402
 from sparse_mqa_testkit.backends.reference import ReferenceBackend  # noqa: E402
 from sparse_mqa_testkit.cases import Case  # noqa: E402
-from sparse_mqa_testkit.kernels import autograd as ag  # noqa: E402
-from sparse_mqa_testkit.kernels import sparse_mqa_attention  # noqa: E402
 from sparse_mqa_testkit.torch_io import case_tensors  # noqa: E402
 
 CASES = [
@@ -34,14 +34,24 @@ class Spy:
         return self.fn(*args, **kwargs)
 
 
+class StandIn(ReferenceBackend):
+    """The reference backend under a kernel's name, its forward and backward counted by spies."""
+
+    def __init__(self, name, forward_spy, backward_spy, supports=None):
+        super().__init__()
+        self.name, self.forward, self.backward = name, forward_spy, backward_spy
+        if supports is not None:
+            self.supports = supports
+
+
 @pytest.fixture
 def stand_ins(monkeypatch):
-    """Both backward choices and the forward replaced by CPU reference spies."""
+    """Both backward choices and the forward replaced by CPU reference spies (in ``autograd.LOADED``, where the
+    entry point finds its backends)."""
     ref = ReferenceBackend()
     spies = {"forward": Spy(ref.forward), "tilelang": Spy(ref.backward), "cudnn": Spy(ref.backward)}
-    monkeypatch.setattr(ag, "FORWARD", spies["forward"])
-    monkeypatch.setitem(ag.BACKWARDS, "tilelang", spies["tilelang"])
-    monkeypatch.setitem(ag.BACKWARDS, "cudnn", spies["cudnn"])
+    monkeypatch.setitem(ag.LOADED, "tilelang", StandIn("tilelang", spies["forward"], spies["tilelang"]))
+    monkeypatch.setitem(ag.LOADED, "cudnn", StandIn("cudnn", Spy(ref.forward), spies["cudnn"]))
     return spies
 
 
@@ -137,8 +147,12 @@ def test_bad_backward_backend_rejected_before_forward(stand_ins, bad):
 
 
 def test_cudnn_refusal_found_before_forward(monkeypatch):
+    """cuDNN's own declared domain (``CudnnBackend.supports``) refuses before our forward runs."""
+    from sparse_mqa_kernels.cudnn import CudnnBackend
+
     spy = Spy(ReferenceBackend().forward)
-    monkeypatch.setattr(ag, "FORWARD", spy)
+    monkeypatch.setitem(ag.LOADED, "tilelang", StandIn("tilelang", spy, Spy(ReferenceBackend().backward)))
+    monkeypatch.setitem(ag.LOADED, "cudnn", CudnnBackend())
     for case, match in ((Case(H=1, Dqk=576, Dv=512, S=2, Skv=4, L=2), "H >= 2"),
                         (Case(H=2, Dqk=16, Dv=8), r"\(Dqk, Dv\)")):
         with pytest.raises(ValueError, match=match):
@@ -146,13 +160,15 @@ def test_cudnn_refusal_found_before_forward(monkeypatch):
     assert spy.calls == 0
 
 
-def test_registry_change_between_forward_and_backward_is_caught(stand_ins, monkeypatch):
+def test_the_backward_is_the_one_chosen_at_the_forward(stand_ins, monkeypatch):
+    """A step's backward is the backend its forward chose, even if the table changes in between."""
     t = _leaves(CASES[0])
     out = sparse_mqa_attention(t["q"], t["kv"], t["indices"], t["sm_scale"], t["d_v"], attn_sink=t["attn_sink"],
                                topk_length=t["topk_length"], backward_backend="cudnn")
-    monkeypatch.setitem(ag.BACKWARDS, "cudnn", Spy(ReferenceBackend().backward))
-    with pytest.raises(RuntimeError, match="recorded by the forward"):
-        out.backward(t["grad_out"])
+    later = Spy(ReferenceBackend().backward)
+    monkeypatch.setitem(ag.LOADED, "cudnn", StandIn("cudnn", Spy(ReferenceBackend().forward), later))
+    out.backward(t["grad_out"])
+    assert stand_ins["cudnn"].calls == 1 and later.calls == 0
 
 
 # ---- on the GPU ---------------------------------------------------------------------------------------------------
@@ -174,8 +190,8 @@ def _require(module, attr):
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_tilelang_step_bitwise_repeatable():
-    _require("sparse_mqa_testkit.kernels.forward", "sparse_mla_forward")
-    _require("sparse_mqa_testkit.kernels.backward", "sparse_mla_backward")
+    _require("sparse_mqa_kernels.forward", "sparse_mqa_forward")
+    _require("sparse_mqa_kernels.backward", "sparse_mqa_backward")
     runs = []
     for _ in range(3):
         t = _leaves(GPU_CASE, "cuda")
@@ -192,21 +208,22 @@ def test_gpu_tilelang_step_bitwise_repeatable():
 @pytest.mark.parametrize("backend", ["tilelang", "cudnn"])
 def test_gpu_autograd_matches_raw_backend(backend, monkeypatch):
     if backend == "cudnn":
-        from sparse_mqa_testkit.backends import cudnn as cu
+        from sparse_mqa_kernels import cudnn as cu
 
         try:
             cu.load_dsa()
         except cu.MissingDependency as exc:
             pytest.skip(str(exc))
         try:
-            forward = _require("sparse_mqa_testkit.kernels.forward", "sparse_mla_forward")
+            forward = _require("sparse_mqa_kernels.forward", "sparse_mqa_forward")
         except pytest.skip.Exception:
             # without our forward, the reference forward (on CUDA tensors) feeds cuDNN's backward
-            forward = ReferenceBackend("cuda").forward
-            monkeypatch.setattr(ag, "FORWARD", forward)
+            ref = ReferenceBackend("cuda")
+            monkeypatch.setitem(ag.LOADED, "tilelang", StandIn("tilelang", ref.forward, ref.backward))
+            forward = ref.forward
     else:
-        forward = _require("sparse_mqa_testkit.kernels.forward", "sparse_mla_forward")
-    backward = ag._resolve(ag.BACKWARDS[backend])
+        forward = _require("sparse_mqa_kernels.forward", "sparse_mqa_forward")
+    backward = ag.backend(backend).backward
     t = _leaves(GPU_CASE, "cuda")
     out, grads = _step(t, backend)
     r_out, _, r_grads = _raw(t, forward, backward)

@@ -1,44 +1,44 @@
 """CPU CI: the deterministic backward compiles for sm_90a (explicit target, no GPU needed), and the generated
 CUDA accumulates dkv only as int64 into the integer accumulator: no floating-point atomic or reduction."""
 
+import dataclasses
 import re
 
 import pytest
 
 pytest.importorskip("tilelang")
 
-from sparse_mqa_testkit.kernels import backward, bwd_plan  # noqa: E402
+from sparse_mqa_kernels import backward, bwd_plan  # noqa: E402
 
 FLOAT_ATOMICS = ("atomicAdd(", "AtomicAddx2", "AtomicAddx4", "tma_store_add", "red.global.add.f",
                  "red.global.add.v", "red.global.add.noftz", "atom.global.add.f", ".add.f32", ".add.f16",
                  ".add.bf16", ".add.noftz")
 
 
+ANCHOR = bwd_plan.make_plan(1, 4096, 8192, 64, 2048, 576, 512).key()
+SMALL_GROUP = bwd_plan.make_plan(1, 64, 128, 16, 64, 576, 512).key()
+ANCHOR_SINGLE = dataclasses.replace(ANCHOR, single_role=True)
+
+
 @pytest.fixture(scope="module")
 def source():
     assert backward.TARGET == {"kind": "cuda", "arch": "sm_90a"}
-    return backward.kernel_source(bwd_plan.make_plan(1, 4096, 8192, 64, 2048, 576, 512).variant)
+    return backward.kernel_source(ANCHOR)
 
 
 def test_compiles_for_sm90a(source):
-    assert "sparse_mla_bwd_kernel" in source
+    assert "sparse_mqa_bwd_kernel" in source
     assert "int64_t* __restrict__ Acc" in source
 
 
 def test_dkv_reduction_is_integer_only(source):
     for bad in FLOAT_ATOMICS:
         assert bad not in source, f"floating-point atomic or reduction {bad!r} in the generated CUDA"
+    assert "AtomicAdd" not in source
     bulk = re.findall(r"cp\.reduce\.async\.bulk[\w:.]*", source)
-    atomics = re.findall(r"\bAtomicAdd\(", source)
-    assert bulk or atomics, "expected the dkv accumulation to use bulk reductions or atomics"
-    assert set(bulk) <= {"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64"}, sorted(set(bulk))
-    # every element-wise atomic adds a rounded int64 into the accumulator
-    assert len(atomics) == len(re.findall(r"AtomicAdd\(\(&\(Acc\[", source))
-    for m in re.finditer(r"AtomicAdd\(\(&\(Acc\[.*?\)\]\)\), (.*?)\);\n", source):
-        assert m.group(1).startswith("((int64_t)"), m.group(1)[:80]
-    if backward.REDUCE == "bulk":
-        # the bulk reduction's destination is a row of the int64 accumulator
-        assert re.search(r"smqa_bulk_add_u64\(.*?\(&\(Acc\[", source)
+    assert set(bulk) == {"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64"}, sorted(set(bulk))
+    # the bulk reduction's destination is a row of the int64 accumulator
+    assert re.search(r"sparse_mqa_bulk_add_u64\(.*?\(&\(Acc\[", source)
 
 
 def _unguarded_reductions(src: str) -> list[str]:
@@ -47,7 +47,7 @@ def _unguarded_reductions(src: str) -> list[str]:
     lines = src.splitlines()
     bad, seen = [], 0
     for i, line in enumerate(lines):
-        if "smqa_bulk_add_u64((" not in line:
+        if "sparse_mqa_bulk_add_u64((" not in line:
             continue
         m = re.search(r"Acc\[\(*\(int64_t\)\(*(?:\(int\*\))?(\w+)\)?\[", line)
         assert m, f"cannot tell which row this reduction writes: {line.strip()[:120]}"
@@ -69,28 +69,24 @@ def _shared_ranges(src: str) -> dict:
             re.finditer(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src)}
 
 
-ANCHOR = bwd_plan.make_plan(1, 4096, 8192, 64, 2048, 576, 512).variant
-SMALL_GROUP = bwd_plan.make_plan(1, 64, 128, 16, 64, 576, 512).variant
-
-
-@pytest.mark.parametrize("variant, config", [(ANCHOR, dict(ws=False)), (SMALL_GROUP, {})],
-                         ids=["single-role-64-heads", "single-role-16-heads"])
-def test_single_role_body_reduces_integers_only(variant, config):
-    """The single-role body (16/32-head groups, and ws=False) keeps the integer-only dkv path too."""
-    assert not backward.uses_ws(variant, **config)
-    src = backward.kernel_source(variant, **config)
+@pytest.mark.parametrize("key", [ANCHOR_SINGLE, SMALL_GROUP], ids=["single-role-64-heads", "single-role-16-heads"])
+def test_single_role_body_reduces_integers_only(key):
+    """The single-role body (16/32-head groups, and single_role) keeps the integer-only dkv path too."""
+    assert not key.warp_specialized
+    src = backward.kernel_source(key)
     for bad in FLOAT_ATOMICS:
-        assert bad not in src, f"{config}: floating-point atomic or reduction {bad!r} in the generated CUDA"
-    assert re.search(r"smqa_bulk_add_u64\(.*?\(&\(Acc\[", src), config
+        assert bad not in src, f"{key}: floating-point atomic or reduction {bad!r} in the generated CUDA"
+    assert "AtomicAdd" not in src
+    assert re.search(r"sparse_mqa_bulk_add_u64\(.*?\(&\(Acc\[", src), key
     assert not _unguarded_reductions(src)
 
 
-@pytest.mark.parametrize("variant", [v for v in bwd_plan.variants(((576, 512), (512, 512))) if v[2] < 64]
-                         + [ANCHOR], ids=lambda v: "Dqk{}-hg{}-bi{}".format(v[0], v[2], v[3]))
-def test_single_role_body_shares_no_shared_memory(variant):
+@pytest.mark.parametrize("key", [k for k in bwd_plan.all_variants() if not k.warp_specialized] + [ANCHOR_SINGLE],
+                         ids=lambda k: f"Dqk{k.dqk}-hg{k.head_group}-bi{k.topk_block}")
+def test_single_role_body_shares_no_shared_memory(key):
     """q, dO and the KV tile live across the top-k loop; a shared-memory merge once gave the int64 staging q's
     address (Dqk 512, 16-head groups: NaN dq from the second top-k block on, found by the suite on an H200)."""
-    offsets = _shared_ranges(backward.kernel_source(variant, ws=False))
+    offsets = _shared_ranges(backward.kernel_source(key))
     assert {"Q_shared", "dO_shared", "KV_shared", "stage"} <= set(offsets), offsets
     assert len(set(offsets.values())) == len(offsets), offsets
 
@@ -100,9 +96,9 @@ def test_warp_specialised_roles_are_separate(source):
     setmaxnreg.dec released in the block: a budget over the launch's 168 per thread would hang), their own
     named barriers (one id shared by two roles would let one role's threads complete another's barrier), and
     no two shared-memory buffers at one address (the allocator cannot see that the roles run concurrently)."""
-    from sparse_mqa_testkit.kernels import backward_ws
+    from sparse_mqa_kernels import backward_ws
 
-    assert backward.uses_ws(ANCHOR)
+    assert ANCHOR.warp_specialized
     marks = [re.search(rf"warpgroup_reg_alloc<{backward_ws.NREG[0]}>", source),
              re.search(rf"warpgroup_reg_alloc<{backward_ws.NREG[1]}>", source),
              re.search(rf"warpgroup_reg_dealloc<{backward_ws.NREG[2]}>", source)]
@@ -118,47 +114,37 @@ def test_warp_specialised_roles_are_separate(source):
     assert len(offsets) >= 8 and len(set(offsets.values())) == len(offsets), offsets
 
 
-def test_staging_configuration_is_validated():
-    with pytest.raises(ValueError, match="stage_rows must divide topk_block"):
-        backward.build_program(ANCHOR, stage_rows=3)
-    with pytest.raises(ValueError, match="stage_bufs must be 2"):
-        backward.build_program(SMALL_GROUP, stage_bufs=1)
-    with pytest.raises(ValueError, match="stage_rows x stage_bufs = 16 x 1 needs"):
-        backward.build_program(ANCHOR, stage_rows=16, stage_bufs=1)
-    with pytest.raises(ValueError, match="threads does not apply"):
-        backward.build_program(ANCHOR, threads=256)
-    with pytest.raises(ValueError, match=r"defer must be in \[0, 2\]"):
-        backward.build_program(ANCHOR, defer=3)
-    with pytest.raises(ValueError, match="defer must be in"):
-        backward.build_program(ANCHOR, defer=True)
-    with pytest.raises(ValueError, match="defer applies only to the warp-specialised body"):
-        backward.build_program(SMALL_GROUP, defer=0)
-    assert backward.staging(ANCHOR) == backward.STAGING["ws"]
-    assert backward.staging(SMALL_GROUP) == backward.STAGING["single"]
+def test_variant_keys_choose_the_body():
+    """64-head groups run the warp-specialised body, 16- and 32-head groups the single-role one, and
+    ``single_role`` puts a 64-head group on the single-role body (the cross-check of the GPU tests)."""
+    keys = bwd_plan.all_variants()
+    assert {k.head_group for k in keys if k.warp_specialized} == {64}
+    assert all(not k.warp_specialized for k in keys if k.head_group < 64)
+    assert not ANCHOR_SINGLE.warp_specialized and ANCHOR_SINGLE != ANCHOR
+    assert "warp-specialised" in ANCHOR.describe() and "single-role" in ANCHOR_SINGLE.describe()
 
 
-@pytest.mark.parametrize("defer", [0, 1, 2])
-def test_every_round_placement_reduces_valid_rows_only(defer):
-    """Staging rounds sent right after a block's dkv product (defer 0) or during the next block's products:
-    every reduction stays integer-only and guarded by its row's validity. Call sites: 2 rounds per block, one
-    reduction each for consumer 0 and two for consumer 1 (its columns and the tail), and a deferred round also
-    has a copy after the top-k loop for the last block."""
-    src = backward.kernel_source(ANCHOR, defer=defer)
-    assert not _unguarded_reductions(src)
-    for bad in FLOAT_ATOMICS:
-        assert bad not in src, f"defer={defer}: floating-point atomic or reduction {bad!r}"
-    assert src.count("smqa_bulk_add_u64((") == 3 * (2 + defer)
+def test_deferred_rounds_reduce_valid_rows_only(source):
+    """A block's last DEFER staging rounds go out during the next block's products: every reduction stays
+    integer-only and guarded by its row's validity. Call sites: 2 rounds per block, one reduction each for
+    consumer 0 and two for consumer 1 (its columns and the tail), and a deferred round also has a copy after
+    the top-k loop for the last block."""
+    from sparse_mqa_kernels import backward_ws
+
+    assert not _unguarded_reductions(source)
+    rounds = ANCHOR.topk_block // backward_ws.STAGE_ROWS
+    assert source.count("sparse_mqa_bulk_add_u64((") == 3 * (rounds + min(backward_ws.DEFER, rounds))
 
 
 def test_prep_pass_compiles_without_atomics():
     """``bwd_prep`` (Delta and the fixed-point bound per query row): fixed-order sums, no atomic of any kind,
     both head dims of the contract."""
+    from sparse_mqa_kernels import bwd_prep
     from sparse_mqa_testkit import contract
-    from sparse_mqa_testkit.kernels import bwd_prep
 
-    for dqk, dv in contract.KERNEL_DIMS:
+    for dqk, dv in contract.PRODUCTION_DIMS:
         src = bwd_prep.compiled(dqk, dv).get_kernel_source()
-        assert "smqa_bwd_prep_kernel" in src
+        assert "sparse_mqa_bwd_prep_kernel" in src
         assert "atomic" not in src.lower() and "red.global" not in src
         assert re.search(r"float\* __restrict__ Delta", src) and re.search(r"float\* __restrict__ Bound", src)
 
@@ -179,8 +165,8 @@ def test_reduction_benchmark_compiles_and_pads_to_its_occupancy():
         kernel = mod.build(*mod.parse(config), 132)
         src = kernel.get_kernel_source()
         dtype = mod.parse(config)[-1]
-        sends = set(re.findall(r"(smqa_bulk_add_\w+)\(\(", src))
-        assert sends == {"smqa_bulk_add_u64" if dtype == "int64" else "smqa_bulk_add_f32"}, sends
+        sends = set(re.findall(r"(sparse_mqa_bulk_add_\w+)\(\(", src))
+        assert sends == {"sparse_mqa_bulk_add_u64" if dtype == "int64" else "sparse_mqa_bulk_add_f32"}, sends
         assert "AtomicAdd" not in src
         # (TIR prints no dtype for float32, its default)
         typed = "" if dtype == "float32" else f', "{dtype}"'

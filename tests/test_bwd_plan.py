@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_mqa_testkit.kernels import bwd_plan
-from sparse_mqa_testkit.kernels.bwd_plan import make_plan
+from sparse_mqa_kernels import bwd_plan
+from sparse_mqa_kernels.bwd_plan import make_plan
 
 
 @pytest.mark.parametrize("H, hg, ng", [(1, 16, 1), (8, 16, 1), (15, 16, 1), (16, 16, 1), (17, 32, 1),
@@ -52,15 +52,15 @@ def test_plan_covers_exactly_and_stays_in_bounds(H, L, S, B, budget, maxq):
 def test_anchor_plan_is_one_launch():
     p = make_plan(1, 4096, 8192, 64, 2048, 576, 512)
     assert (p.head_group, p.n_groups, p.n_topk_blocks, p.n_chunks) == (64, 1, 2048 // bwd_plan.TOPK_BLOCK, 1)
-    assert p.variant == (576, 512, 64, bwd_plan.TOPK_BLOCK)
-    assert p.variant in bwd_plan.variants()
+    assert p.key() == bwd_plan.VariantKey(576, 512, 64, bwd_plan.TOPK_BLOCK)
+    assert p.key() in bwd_plan.all_variants() and p.key().warp_specialized
 
 
 def test_variants_cover_every_plan():
-    vs = set(bwd_plan.variants())
+    vs = set(bwd_plan.all_variants())
     for H in range(1, 200):
         for dqk, dv in ((576, 512), (512, 512)):
-            assert make_plan(2, 3, 5, H, 7, dqk, dv).variant in vs
+            assert make_plan(2, 3, 5, H, 7, dqk, dv).key() in vs
 
 
 @pytest.mark.parametrize("bad", [dict(H=0), dict(L=0), dict(S=-1), dict(Dv=600), dict(H=1.5), dict(B=True)])

@@ -9,7 +9,9 @@ import torch
 from broken_backends import EmulatedKernel, random_order_dkv
 from sparse_mqa_testkit.backends.reference import ReferenceBackend
 from sparse_mqa_testkit.cases import Case
-from sparse_mqa_testkit.checks import FAILED_RATIO, check_determinism, poison_allocator
+from sparse_mqa_testkit.checks import check_determinism
+from sparse_mqa_testkit.checks.determinism import poison_allocator
+from sparse_mqa_testkit.checks.result import FAILED_RATIO
 
 CASE = Case(S=4, Skv=8, H=3, L=8, sink="finite", invalid="holes", seed=21)
 

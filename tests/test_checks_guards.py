@@ -7,7 +7,8 @@ import torch
 from broken_backends import EmulatedKernel, MaskMultiply, StaleRow
 from sparse_mqa_testkit.backends.reference import ReferenceBackend
 from sparse_mqa_testkit.cases import Case
-from sparse_mqa_testkit.checks import check_guards, unreferenced_rows
+from sparse_mqa_testkit.checks import check_guards
+from sparse_mqa_testkit.checks.guards import unreferenced_rows
 from sparse_mqa_testkit.contract import valid_mask
 
 CASE = Case(S=6, Skv=40, H=3, L=6, invalid="mixed", sink="finite", seed=31)

@@ -10,7 +10,9 @@ import torch
 from broken_backends import Float16Accepted
 from sparse_mqa_testkit.backends.reference import ReferenceBackend
 from sparse_mqa_testkit.cases import Case
-from sparse_mqa_testkit.checks import ErrorInput, backend_inputs, check_rejection, error_inputs
+from sparse_mqa_testkit.checks import check_rejection
+from sparse_mqa_testkit.checks.inputs import backend_inputs
+from sparse_mqa_testkit.checks.rejection import ErrorInput, error_inputs
 
 CASE = Case(S=3, H=2, sink="finite", topk="random", seed=2)
 

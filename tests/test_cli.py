@@ -2,13 +2,11 @@
 becomes a reproducer, a ledger entry and a database entry the next plain run replays."""
 
 import json
-import sys
-import types
 
 import pytest
 from broken_backends import DQ_DOUBLED_SOURCE
 
-from sparse_mqa_testkit import cli
+from sparse_mqa_testkit import cli, runner
 from sparse_mqa_testkit.nightly import run_nightly
 
 BROKEN = DQ_DOUBLED_SOURCE
@@ -37,28 +35,37 @@ def test_replay_refuses_anything_but_a_case(capsys):
     assert "--replay needs --check" in capsys.readouterr().err
 
 
-def test_precompile_reports_missing_modules_and_lists_variants(tmp_path, monkeypatch, capsys):
-    fake = types.ModuleType("fake_kernels")
-    fake.precompile = lambda: ["fwd h16 sm_90a", "fwd h64 sm_90a"]
-    monkeypatch.setitem(sys.modules, "fake_kernels", fake)
-    monkeypatch.setitem(sys.modules, "fake_no_precompile", types.ModuleType("fake_no_precompile"))
-    crashing = types.ModuleType("fake_crashing")
-    crashing.precompile = lambda: 1 / 0
-    monkeypatch.setitem(sys.modules, "fake_crashing", crashing)
-    monkeypatch.setenv("TILELANG_CACHE_DIR", "unchanged")
-    monkeypatch.setattr(cli, "PRECOMPILE_MODULES", ("fake_kernels",))
-    assert cli.main(["--precompile", str(tmp_path / "cache")]) == 0
+PRECOMPILING = '''
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class Compiles(ReferenceBackend):
+    name = "compiles"
+    def precompile(self, directory):
+        (directory / "compiled.txt").write_text("fwd h64 sm_90a")
+        return ["fwd h16 sm_90a", "fwd h64 sm_90a"]
+
+class Crashes(ReferenceBackend):
+    name = "crashes"
+    def precompile(self, directory):
+        return 1 / 0
+'''
+
+
+def test_precompile_reports_each_backend_and_lists_variants(tmp_path, monkeypatch, capsys):
+    (tmp_path / "precompiling.py").write_text(PRECOMPILING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cache = tmp_path / "cache"
+    assert cli.main(["--precompile", str(cache), "--backend", "precompiling:Compiles"]) == 0
     out = capsys.readouterr().out
-    assert "fake_kernels: 2 kernel variants compiled" in out and "fwd h64 sm_90a" in out
-    assert __import__("os").environ["TILELANG_CACHE_DIR"] == str((tmp_path / "cache").resolve())
-    monkeypatch.setattr(cli, "PRECOMPILE_MODULES", ("fake_crashing", "fake_kernels", "no_such_module_xyz",
-                                                    "fake_no_precompile"))
-    assert cli.main(["--precompile", str(tmp_path / "cache")]) == 1
+    assert "precompiling:Compiles: 2 kernel variants compiled" in out and "fwd h64 sm_90a" in out
+    assert (cache / "compiled.txt").exists()  # the backend was handed the directory
+    assert cli.main(["--precompile", str(cache), "--backend", "precompiling:Crashes", "--backend",
+                     "precompiling:Compiles", "--backend", "no_such_module_xyz:B", "--backend", "reference"]) == 1
     out = capsys.readouterr().out
-    assert "no_such_module_xyz: cannot be imported" in out and "NOT precompiled" in out
-    assert "fake_no_precompile: has no precompile()" in out and "(incomplete, see above)" in out
-    assert "fake_crashing: precompile() failed" in out and "ZeroDivisionError" in out
-    assert "fake_kernels: 2 kernel variants compiled" in out  # still compiled after the crash
+    assert "no_such_module_xyz:B: cannot be loaded" in out and "NOT precompiled" in out
+    assert "reference: has no precompile(): nothing to compile ahead" in out and "(incomplete, see above)" in out
+    assert "precompiling:Crashes: precompile() failed" in out and "ZeroDivisionError" in out
+    assert "precompiling:Compiles: 2 kernel variants compiled" in out  # still compiled after the crash
 
 
 def test_main_job_fails_on_a_broken_backend_with_table_and_json(broken, tmp_path, monkeypatch, capfd):
@@ -84,15 +91,15 @@ def test_nightly_failure_becomes_reproducer_ledger_and_replays_from_the_database
     assert "sparse-mqa-check --backend brokenkernels:Broken --check tolerance --replay \"Case(" in text
     assert "@example(case=Case(" in text
     patch = next(out.glob("reproducer-*.patch")).read_text()
-    assert "+@example(case=Case(" in patch and "test_tolerance.py" in patch
+    assert "+@example(case=Case(" in patch and "test_checks.py" in patch
     ledger = json.loads((out / "ledger.json").read_text())
     assert ledger[-1]["failures"] == 1 and ledger[-1]["ratios"]["brokenkernels:Broken"]["tolerance"]
     # the next plain run pointed at the same database replays the failure; without it, ci's one
     # derandomized example (the simplest case, H = 1) passes
     monkeypatch.setenv("SMQA_MAX_EXAMPLES", "1")
-    rc, _ = cli.run_suite([broken], profile="ci", extra=["--smqa-check", "tolerance"])
+    rc, _ = runner.run_suite([broken], profile="ci", extra=["--smqa-check", "tolerance"])
     assert rc == 0
-    rc, data = cli.run_suite([broken], profile="ci", database=out / "examples", extra=["--smqa-check", "tolerance"])
+    rc, data = runner.run_suite([broken], profile="ci", database=out / "examples", extra=["--smqa-check", "tolerance"])
     assert rc == 1 and data["rows"][0]["outcome"] == "failed"
 
 
@@ -120,13 +127,13 @@ def test_nightly_pass_appends_to_the_ledger_and_compares_with_the_last_run(tmp_p
 def test_progress_lines_name_examples_failures_and_time_left(monkeypatch, capfd):
     import time
 
-    from sparse_mqa_testkit import suite
+    from sparse_mqa_testkit import recording
     from sparse_mqa_testkit.cases import Case
 
-    monkeypatch.setenv(suite.PROGRESS_ENV, "0.001")
-    monkeypatch.setenv(suite.DEADLINE_ENV, str(time.time() + 120))
-    monkeypatch.setattr(suite, "_last_progress", [0.0])
-    rec = suite.Recorder(check="tolerance", backend="reference")
+    monkeypatch.setenv(recording.PROGRESS_ENV, "0.001")
+    monkeypatch.setenv(recording.DEADLINE_ENV, str(time.time() + 120))
+    monkeypatch.setattr(recording, "_last_progress", [0.0])
+    rec = recording.Recorder(check="tolerance", backend="reference")
     rec.add_case(Case())
     err = capfd.readouterr().err
     assert "[smqa] tolerance[reference]: 1 examples, 0 failures, 2.0 min left" in err

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sparse_mqa_testkit import contract, oracle  # noqa: E402
-from sparse_mqa_testkit.backends import cudnn as cu  # noqa: E402
+from sparse_mqa_kernels import cudnn as cu  # noqa: E402
 from sparse_mqa_testkit.backends import get_backend  # noqa: E402
 from sparse_mqa_testkit.cases import Case  # noqa: E402
 from sparse_mqa_testkit.torch_io import case_tensors  # noqa: E402

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from sparse_mqa_testkit.kernels import fwd_plan
+from sparse_mqa_kernels import fwd_plan
 
 pytest.importorskip("tilelang")
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
@@ -35,7 +35,7 @@ def _blocks(src: str):
 
 @pytest.fixture(scope="module")
 def source():
-    from sparse_mqa_testkit.kernels import forward
+    from sparse_mqa_kernels import forward
 
     key = fwd_plan.variant_key(576, 512, has_sink=True, has_topk_length=True)
     kernel = forward.compiled(key)
@@ -84,14 +84,14 @@ def test_stores_are_guarded_by_the_head_count(source):
 @needs_nvcc
 def test_sizes_are_symbolic(source):
     """B, S, Skv, H and L are kernel arguments, so changing them reuses the compiled variant."""
-    sig = re.search(r"__global__ void __launch_bounds__\(384, 1\) sparse_mla_fwd_kernel\(([^)]*)\)", source)
+    sig = re.search(r"__global__ void __launch_bounds__\(384, 1\) sparse_mqa_fwd_kernel\(([^)]*)\)", source)
     assert sig, "kernel signature not found"
     for name in ("int batch", "int heads", "int seq_kv", "int seq_len", "int topk", "float scale2"):
         assert name in sig.group(1)
 
 
 def test_precompile_covers_every_variant(monkeypatch):
-    from sparse_mqa_testkit.kernels import forward
+    from sparse_mqa_kernels import forward
 
     seen = []
     monkeypatch.setattr(forward, "compiled", lambda key: seen.append(key))
@@ -102,20 +102,20 @@ def test_precompile_covers_every_variant(monkeypatch):
 
 def test_bad_arguments_are_rejected_before_gpu_work():
     torch = pytest.importorskip("torch")
-    from sparse_mqa_testkit.kernels.forward import sparse_mla_forward
+    from sparse_mqa_kernels.forward import sparse_mqa_forward
 
     q = torch.zeros(1, 2, 3, 576, dtype=torch.bfloat16)
     kv = torch.zeros(1, 10, 576, dtype=torch.bfloat16)
     idx = torch.zeros(1, 2, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match="q must be bfloat16, got float16"):
-        sparse_mla_forward(q.half(), kv, idx, 0.1, 512)
+        sparse_mqa_forward(q.half(), kv, idx, 0.1, 512)
     with pytest.raises(ValueError, match="attn_sink must be float32"):
-        sparse_mla_forward(q, kv, idx, 0.1, 512, attn_sink=torch.zeros(3, dtype=torch.bfloat16))
+        sparse_mqa_forward(q, kv, idx, 0.1, 512, attn_sink=torch.zeros(3, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="topk_length must have rank 2"):
-        sparse_mla_forward(q, kv, idx, 0.1, 512, topk_length=torch.zeros(2, dtype=torch.int32))
+        sparse_mqa_forward(q, kv, idx, 0.1, 512, topk_length=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="not supported"):
-        sparse_mla_forward(q, kv, idx, 0.1, 256)
+        sparse_mqa_forward(q, kv, idx, 0.1, 256)
     with pytest.raises(ValueError, match="sm_scale must be finite"):
-        sparse_mla_forward(q, kv, idx, float("nan"), 512)
+        sparse_mqa_forward(q, kv, idx, float("nan"), 512)
     with pytest.raises(ValueError, match="q must be on a CUDA device"):
-        sparse_mla_forward(q, kv, idx, 0.1, 512)
+        sparse_mqa_forward(q, kv, idx, 0.1, 512)

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_mqa_testkit import contract
-from sparse_mqa_testkit.kernels import fwd_plan
+from sparse_mqa_kernels import fwd_plan
 
-dims_pairs = st.sampled_from(contract.KERNEL_DIMS)
+dims_pairs = st.sampled_from(contract.PRODUCTION_DIMS)
 flags = st.booleans()
 
 
@@ -68,9 +68,9 @@ def test_variant_key_ignores_b_s_skv_h_l(a, b, sink, topk):
 
 def test_all_variants_are_distinct_and_cover_the_flags():
     keys = fwd_plan.all_variants()
-    assert len(set(keys)) == len(keys) == len(contract.KERNEL_DIMS) * 4
-    assert {(k.dqk, k.dv) for k in keys} == set(contract.KERNEL_DIMS)
-    assert all(k.describe().startswith("sparse_mla_fwd") for k in keys)
+    assert len(set(keys)) == len(keys) == len(contract.PRODUCTION_DIMS) * 4
+    assert {(k.dqk, k.dv) for k in keys} == set(contract.PRODUCTION_DIMS)
+    assert all(k.describe().startswith("sparse_mqa_fwd") for k in keys)
 
 
 @pytest.mark.parametrize("dqk,dv", [(576, 256), (128, 128), (512, 576)])

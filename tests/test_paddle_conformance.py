@@ -150,6 +150,7 @@ def test_a_paddle_native_backend_passes_through_torch_facing(backend, case):
 
     from sparse_mqa_testkit import checks
     from sparse_mqa_testkit.backends import get_backend
+    from sparse_mqa_testkit.checks.inputs import backend_inputs
     from sparse_mqa_testkit.paddle.backend import TorchFacing
 
     native = TorchFacing(PaddleNativeReference())
@@ -157,7 +158,7 @@ def test_a_paddle_native_backend_passes_through_torch_facing(backend, case):
                   checks.check_guards, checks.check_rejection):
         check(native, case).raise_if_failed()
     # and it is the torch reference, bit for bit
-    t = checks.backend_inputs(native, case)
+    t = backend_inputs(native, case)
     args = (t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"], t["sm_scale"])
     want = get_backend("reference").backward(*args, topk_length=t["topk_length"])
     got = native.backward(*args, topk_length=t["topk_length"])

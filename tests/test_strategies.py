@@ -7,7 +7,7 @@ from sparse_mqa_testkit.backends import BackendBase, get_backend
 from sparse_mqa_testkit.cases import Case
 from sparse_mqa_testkit.strategies import (PRODUCTION_DIMS, SMALL_DIMS, boundary_class, case_events, cases,
                                            cases_for, cases_outside, near_multiples)
-from sparse_mqa_testkit.suite import draw_examples
+from sparse_mqa_testkit.strategies import draw_examples
 
 
 class Fake(BackendBase):
@@ -93,6 +93,5 @@ def test_cases_keeps_its_original_signature():
 
 
 def test_backend_cases_without_an_active_backend_says_what_to_do():
-    strategies.set_active_backend(None)
     with pytest.raises(RuntimeError, match="smqa_backend"):
         draw_examples(strategies.backend_cases(), 1)

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from broken_backends import BROKEN, EmulatedKernel
 from sparse_mqa_testkit.backends import get_backend
 from sparse_mqa_testkit.cases import Case
-from sparse_mqa_testkit.checks import CHECK_FUNCTIONS
+from sparse_mqa_testkit.checks import CHECKS
 from sparse_mqa_testkit.strategies import cases
 
 # bug -> (the check that must catch it, a small case that triggers it)
@@ -41,7 +41,7 @@ def test_every_bug_has_an_expectation():
 @pytest.mark.parametrize("bug", sorted(EXPECTED))
 def test_fixed_case_caught_by_expected_check(bug):
     check, case = EXPECTED[bug]
-    res = CHECK_FUNCTIONS[check](make(bug), case)
+    res = CHECKS[check].function(make(bug), case)
     assert not res.passed, f"{bug} slipped through {check} on {case.repro()}"
     assert res.check == check
     assert "repro: sparse-mqa-check --backend" in res.message and case.repro() in res.message
@@ -53,7 +53,7 @@ def test_fixed_case_caught_by_expected_check(bug):
 def test_reference_passes_every_check_on_the_same_case(bug):
     _, case = EXPECTED[bug]
     ref = get_backend("reference")
-    for name, fn in CHECK_FUNCTIONS.items():
+    for name, fn in ((n, c.function) for n, c in CHECKS.items()):
         res = fn(ref, case)
         assert res.passed, res.message
 
@@ -62,7 +62,7 @@ def test_reference_passes_every_check_on_the_same_case(bug):
 def test_a_plausible_bf16_kernel_passes_every_check_on_the_same_case(bug):
     # the other side of the coin: a bug-free kernel with real bf16 rounding and unordered atomics is not flagged
     _, case = EXPECTED[bug]
-    for name, fn in CHECK_FUNCTIONS.items():
+    for name, fn in ((n, c.function) for n, c in CHECKS.items()):
         res = fn(EmulatedKernel(), case)
         assert res.passed, res.message
 
@@ -70,7 +70,7 @@ def test_a_plausible_bf16_kernel_passes_every_check_on_the_same_case(bug):
 @pytest.mark.parametrize("bug", sorted(EXPECTED))
 def test_search_finds_a_failing_case(bug):
     check, _ = EXPECTED[bug]
-    fn = CHECK_FUNCTIONS[check]
+    fn = CHECKS[check].function
     backend = make(bug)
     tiles = getattr(backend, "tiles", None) or None
     strategy = cases(tiles=tiles, max_s=8, max_skv=32, max_l=12)

@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 from sparse_mqa_testkit import oracle  # noqa: E402
 from sparse_mqa_testkit.backends.registry import get_backend  # noqa: E402
 from sparse_mqa_testkit.cases import Case  # noqa: E402
-from sparse_mqa_testkit.kernels import bwd_plan  # noqa: E402
-from sparse_mqa_testkit.kernels.model import TileLangModelBackend  # noqa: E402
+from sparse_mqa_kernels import bwd_plan  # noqa: E402
+from sparse_mqa_kernels.backends import TileLangModelBackend  # noqa: E402
 from sparse_mqa_testkit.strategies import cases  # noqa: E402
 from sparse_mqa_testkit.torch_io import case_tensors, to_torch  # noqa: E402
 
@@ -103,7 +103,7 @@ def test_fixed_point_sum_vs_float32_on_adversarial_magnitudes(span):
 
     The int64 sum is exact up to one rounding per term (|error| <= n 2**-(F+1)) and independent of order;
     measured against float32 accumulation of the same terms in a random order (what an atomic kernel does)."""
-    from sparse_mqa_testkit.kernels.model import accumulate_fixed, from_fixed
+    from sparse_mqa_kernels.backward_model import accumulate_fixed, from_fixed
 
     rng = np.random.default_rng(span)
     n = 4096

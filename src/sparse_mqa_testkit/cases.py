@@ -121,6 +121,7 @@ class Case:
             idx = np.sort(idx, axis=-1)
         idx = idx.astype(np.int64)
         mode = self.invalid
+        invalid = {k: np.array(v, dtype=np.int64) for k, v in contract.invalid_values(Skv).items()}
         if mode == "mixed":
             mode = ("holes", "out_of_range", "tails", "empty_rows")[int(rng.integers(0, 4))]
             # and sprinkle the other kinds too
@@ -128,7 +129,7 @@ class Case:
         if mode == "holes":
             idx = np.where(rng.random(idx.shape) < 0.25, -1, idx)
         elif mode == "out_of_range":
-            bad = np.array([Skv, Skv + 1, 2**31 - 1, -(2**31), -2], dtype=np.int64)
+            bad = invalid["out_of_range"]
             pick = bad[rng.integers(0, len(bad), size=idx.shape)]
             idx = np.where(rng.random(idx.shape) < 0.25, pick, idx)
         elif mode == "tails":
@@ -137,6 +138,6 @@ class Case:
         elif mode == "empty_rows":
             empty = rng.random((B, S, 1)) < 0.3
             empty[0, 0, 0] = True
-            filler = np.array([-1, Skv, 2**31 - 1], dtype=np.int64)[rng.integers(0, 3, size=idx.shape)]
+            filler = invalid["sentinel"][rng.integers(0, len(invalid["sentinel"]), size=idx.shape)]
             idx = np.where(empty, filler, idx)
         return idx.astype(np.int32)

@@ -1,8 +1,9 @@
 """The contract of absorbed-MQA sparse attention: the one source of truth.
 
-Everything in this package (the oracle, the validators, the strategies, the checks and the kernels) imports
-its shapes, dtypes, the invalid-index rule and the LSE convention from here. Framework-agnostic: it reads only
-``.shape``, ``.ndim`` and ``.dtype`` of NumPy arrays, torch or paddle tensors; the array helpers are NumPy.
+Everything in this package (the oracle, the validators, the strategies, the checks) and the kernels of
+``sparse_mqa_kernels`` import its shapes, dtypes, the invalid-index rule and the LSE convention from here.
+Framework-agnostic: the validators read only ``.shape`` and ``.dtype`` (NumPy arrays, torch or paddle
+tensors); the rule helpers compute on NumPy arrays or torch tensors, in their own kind and dtype.
 
 Shapes
     q            [B, S, H, Dqk]   query rows; H heads share one latent
@@ -35,12 +36,14 @@ Backward, for cotangent dO
     d_sink[h] = -sum_{b,i} p_sink Delta,   p_sink = exp(sink - logaddexp(lse, sink))
 
 Kernel dtypes: q, kv, out, grad_out bfloat16; lse, attn_sink, d_sink float32; indices, topk_length int32.
-TileLang kernels keep a base-2 LSE with the sink folded in; ``lse_to_base2`` / ``lse_from_base2`` convert.
+Kernels that keep a base-2 LSE with the sink folded in convert with ``lse_to_base2`` / ``lse_from_base2``;
+``valid_mask``, ``invalid_values`` and ``sink_probability`` are the rules above as code (NumPy or torch).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,8 +51,8 @@ import numpy as np
 # Production sizes (DeepSeek-V3.2 absorbed MLA): 512 latent + 64 rope dims; V is the first 512.
 DQK = 576
 DV = 512
-# Dims the GPU kernels are built for; the oracle takes any sizes >= 1.
-KERNEL_DIMS = ((576, 512), (512, 512))
+# Production head dims (Dqk, Dv): DeepSeek-V3.2's 576/512 and the rope-free 512/512. The oracle takes any.
+PRODUCTION_DIMS = ((576, 512), (512, 512))
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -68,10 +71,6 @@ KERNEL_DTYPES = {
     "indices": "int32",
     "topk_length": "int32",
 }
-
-# Representative invalid values a kernel must never read through (the strategies draw from these).
-INVALID_VALUES = (-1, -2, -(2**31), 2**31 - 1)  # plus Skv, Skv + 1, which depend on the case
-
 
 @dataclass(frozen=True)
 class Dims:
@@ -212,14 +211,47 @@ def validate_sm_scale(sm_scale) -> float:
     return float(sm_scale)
 
 
-def valid_mask(indices: np.ndarray, s_kv: int, topk_length: np.ndarray | None = None) -> np.ndarray:
-    """The invalid-index rule as a boolean [B, S, L] mask (NumPy)."""
-    idx = np.asarray(indices)
+def _namespace(x):
+    """NumPy, or torch for a torch tensor: the rule helpers below take either and answer in the same kind."""
+    return sys.modules["torch"] if type(x).__module__.partition(".")[0] == "torch" else np
+
+
+def valid_mask(indices, s_kv: int, topk_length=None):
+    """The invalid-index rule as a boolean [B, S, L] mask (a NumPy array, or a tensor on the indices' device)."""
+    xp = _namespace(indices)
+    idx = indices if xp is not np else np.asarray(indices)
     mask = (idx >= 0) & (idx < s_kv)
     if topk_length is not None:
-        slot = np.arange(idx.shape[-1])
-        mask &= slot < np.asarray(topk_length)[..., None]
+        if xp is np:
+            slot, tl = np.arange(idx.shape[-1]), np.asarray(topk_length)
+        else:
+            slot, tl = xp.arange(idx.shape[-1], device=idx.device), topk_length
+        mask &= slot < tl[..., None]
     return mask
+
+
+def invalid_values(s_kv: int) -> dict[str, tuple[int, ...]]:
+    """Representative invalid indices, by kind, that a kernel must never read through (the cases draw these).
+
+    out_of_range: past either end of the cache, including the int32 extremes; sentinel: what an indexer pads a
+    row with (-1, Skv, or INT32_MAX).
+    """
+    return {"out_of_range": (s_kv, s_kv + 1, 2**31 - 1, -(2**31), -2), "sentinel": (-1, s_kv, 2**31 - 1)}
+
+
+def sink_probability(lse, attn_sink):
+    """The sink's probability per [B, S, H]: exp(sink - logaddexp(lse, sink)), in the inputs' dtype.
+
+    A +inf sink takes all the mass (1); an empty row (lse = +inf) gives its sink none (0) unless the sink is
+    +inf too. NumPy arrays or torch tensors; attn_sink [H] broadcasts against lse [B, S, H].
+    """
+    xp = _namespace(lse)
+    if xp is np:
+        lse, attn_sink = np.asarray(lse), np.asarray(attn_sink)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = xp.exp(attn_sink - xp.logaddexp(lse, attn_sink))
+        p = xp.where(xp.isposinf(attn_sink), 1.0, p)
+        return xp.where(xp.isposinf(lse) & ~xp.isposinf(attn_sink), 0.0, p)
 
 
 # ---- the base-2, sink-folded LSE that TileLang kernels keep -------------------------------------------------
@@ -227,18 +259,21 @@ def valid_mask(indices: np.ndarray, s_kv: int, topk_length: np.ndarray | None = 
 def lse_to_base2(lse, attn_sink=None):
     """Contract LSE (natural log, sink excluded, [B, S, H]) -> kernel LSE: log2(sum exp(s) + exp(sink)).
 
-    An empty row (lse = +inf) stays +inf, so exp2(s * log2e - lse2) is 0 in the kernel too.
+    In the inputs' dtype (NumPy or torch). An empty row (lse = +inf) stays +inf, so exp2(s * log2e - lse2) is
+    0 in the kernel too; so does a row whose sink is +inf.
     """
-    lse = np.asarray(lse, dtype=np.float64)
+    xp = _namespace(lse)
+    if xp is np:
+        lse = np.asarray(lse)
     if attn_sink is not None:
-        sink = np.asarray(attn_sink, dtype=np.float64)
         with np.errstate(invalid="ignore"):
-            lse = np.where(np.isposinf(lse), np.inf, np.logaddexp(lse, sink))
+            folded = xp.logaddexp(lse, attn_sink)
+        lse = xp.where(xp.isposinf(lse) | xp.isposinf(attn_sink), math.inf, folded)
     return lse * LOG2E
 
 
 def lse_from_base2(lse2, attn_sink=None):
-    """Kernel LSE (base 2, sink folded in) -> contract LSE (natural log, sink excluded).
+    """Kernel LSE (base 2, sink folded in) -> contract LSE (natural log, sink excluded), float64 NumPy.
 
     Inverse of ``lse_to_base2`` wherever it is invertible: with a sink of +inf the row's own mass is lost
     and the result is NaN there; +inf (empty row) maps back to +inf.

@@ -18,7 +18,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import profiles, suite
+from . import profiles
+from .recording import DEADLINE_ENV, PROGRESS_ENV, merge_coverage
+from .runner import run_suite
 
 FIRST_ROUND = 20  # examples per test in the first round, to measure speed
 MAX_ROUND = 5000
@@ -26,8 +28,6 @@ MAX_ROUND = 5000
 
 def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None, profile="nightly",
                 extra=()) -> int:
-    from .cli import run_suite
-
     out = Path(out or "nightly-out").resolve()
     out.mkdir(parents=True, exist_ok=True)
     database = Path(database or os.environ.get(profiles.DATABASE_ENV) or out / "examples").resolve()
@@ -43,8 +43,8 @@ def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None
         if left <= 1 or (rounds and left < 0.5 * last_round):
             break
         rounds += 1
-        env = dict(os.environ, **{profiles.MAX_EXAMPLES_ENV: str(n), suite.PROGRESS_ENV: "30",
-                                  suite.DEADLINE_ENV: str(time.time() + left),
+        env = dict(os.environ, **{profiles.MAX_EXAMPLES_ENV: str(n), PROGRESS_ENV: "30",
+                                  DEADLINE_ENV: str(time.time() + left),
                                   "HYPOTHESIS_STORAGE_DIRECTORY": str(out / "hypothesis")})
         t0 = time.monotonic()
         rc, data = run_suite(backends, profile=profile, database=database, json_path=out / f"round-{rounds}.json",
@@ -78,12 +78,7 @@ def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None
 
 def _merge(classes: dict, rows: list[dict]) -> None:
     for r in rows:
-        per = classes.setdefault(r["backend"], {}).setdefault(r["check"], {})
-        for label, v in (r.get("coverage") or {}).items():
-            slot = per.setdefault(label, {"n": 0, "max_ratio": None})
-            slot["n"] += v["n"]
-            if v["max_ratio"] is not None:
-                slot["max_ratio"] = max(slot["max_ratio"] or 0.0, v["max_ratio"])
+        merge_coverage(classes.setdefault(r["backend"], {}).setdefault(r["check"], {}), r.get("coverage") or {})
 
 
 def write_reproducer(out: Path, row: dict) -> Path:
@@ -97,7 +92,7 @@ def write_reproducer(out: Path, row: dict) -> Path:
     if fail:
         lines += ["", "# replay (one line):", fail["repro"], "",
                   "# regression: add above the failing @given test (sparse_mqa_testkit.property_tests or your own),",
-                  "# with `from hypothesis import example` and `from sparse_mqa_testkit.cases import Case`:",
+                  "# with `from hypothesis import example` and `from sparse_mqa_testkit import Case`:",
                   f"@example(case={fail['case']})", "", "# failure:", fail["message"]]
     else:
         lines += ["", f"# no check result was recorded ({row.get('outcome')}); see the round log above"]
@@ -124,7 +119,8 @@ def suite_patch(row: dict, out: Path) -> Path | None:
 
         from . import property_tests
 
-        func_name = f"test_{row['check']}"
+        # the failing test: a check's own (test_check, parametrized over the registry) or coverage's
+        func_name = "test_check_outside_domain" if row["check"].endswith("_outside_domain") else "test_check"
         for info in pkgutil.iter_modules(property_tests.__path__):
             module = importlib.import_module(f"{property_tests.__name__}.{info.name}")
             func = getattr(module, func_name, None)

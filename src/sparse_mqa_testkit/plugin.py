@@ -5,15 +5,19 @@
 Options: ``--smqa-backend`` (repeatable or comma-separated; the suite runs once per backend and test ids name
 it; default $SMQA_BACKEND, else ``backends.default_backend_name()``), ``--smqa-profile`` (dev / ci / nightly,
 default $SMQA_PROFILE or dev), ``--smqa-database DIR`` (Hypothesis example database, default $SMQA_DATABASE),
-``--smqa-require-gpu`` (a ``gpu`` test fails instead of skipping when CUDA is absent).
+``--smqa-check NAME`` (only these checks), ``--smqa-json PATH``, ``--smqa-require-gpu`` (a ``gpu`` test fails
+instead of skipping when CUDA is absent).
 
 Markers: ``gpu`` (skipped with the reason when CUDA is absent), ``slow``, ``smqa_cases(n)`` (how many drawn cases
-``smqa_case`` is parametrized with, default 3).
+``smqa_case`` is parametrized with, default 3), ``smqa_outside_domain`` (``smqa_check`` runs the checks that
+judge cases outside the backend's declared domain).
 
 Fixtures: ``smqa_backend`` (session; warmed up once per worker via the backend's optional ``warmup()``),
 ``smqa_case`` (a drawn case with its tensors on the backend's device), ``smqa_oracle`` (NumPy oracle on a case),
-``smqa_checks`` (the checks bound to the backend: ``smqa_checks.tolerance(case)``...). A downstream
-``@given`` test gets the selected profile with ``@settings(sparse_mqa_testkit.profiles.active())``.
+``smqa_checks`` (the checks bound to the backend: ``smqa_checks.tolerance(case)``...), ``smqa_check`` (one
+registry check, the test parametrized over ``checks.CHECKS``). Every test that takes one of them gets a row in
+the conformance table, and a Hypothesis test among them runs under the selected profile's settings (unless it
+sets its own) with its example database keyed by its backend.
 
 xdist: ``-n auto`` starts one worker per visible GPU (the CPU count without CUDA), and each worker pins its own
 GPU through ``CUDA_VISIBLE_DEVICES`` in ``pytest_configure``, before CUDA is initialised.
@@ -29,11 +33,13 @@ import sys
 
 import pytest
 
-from . import gpu_workers, profiles, strategies, suite
+from . import gpu_workers, profiles
 
 BACKEND_ENV = "SMQA_BACKEND"
 SUITE_PACKAGE = "sparse_mqa_testkit.property_tests"
+FIXTURES = ("smqa_backend", "smqa_case", "smqa_checks", "smqa_check")
 _STATE = pytest.StashKey[dict]()
+_REC = pytest.StashKey[object]()
 
 
 def pytest_addoption(parser):
@@ -46,12 +52,18 @@ def pytest_addoption(parser):
     g.addoption("--smqa-database", default=None, metavar="DIR",
                 help=f"Hypothesis example database directory (default ${profiles.DATABASE_ENV})")
     g.addoption("--smqa-check", action="append", default=[], metavar="NAME",
-                help="run only these checks of the suite (tolerance, forward_tolerance, determinism, rejection, "
-                     "guards, boundary_coverage; repeatable)")
+                help="run only these checks of the suite (repeatable; the names of "
+                     "sparse_mqa_testkit.checks.CHECKS, and boundary_coverage)")
     g.addoption("--smqa-json", default=None, metavar="PATH",
                 help="write the conformance table (per test: cases, worst ratio, coverage, failure) as JSON")
     g.addoption("--smqa-require-gpu", action="store_true",
                 help="fail gpu-marked tests and CUDA backends when CUDA is absent instead of skipping them")
+
+
+def _check_names() -> list[str]:
+    from .checks.registry import CHECKS, COVERAGE
+
+    return [*CHECKS, COVERAGE]
 
 
 def backend_names(config) -> list[str]:
@@ -72,12 +84,29 @@ def pytest_configure(config):
         gpu_workers.pin(winput.get("workerid", ""), list(winput["smqa_gpus"]))
     for line in ("gpu: needs a CUDA GPU (skipped with the reason when CUDA is absent)",
                  "slow: long-running",
-                 "smqa_cases(n): number of drawn cases the smqa_case fixture is parametrized with"):
+                 "smqa_cases(n): number of drawn cases the smqa_case fixture is parametrized with",
+                 "smqa_outside_domain: smqa_check runs the checks that judge cases outside the declared domain"):
         config.addinivalue_line("markers", line)
-    profile = profiles.select(config.getoption("smqa_profile"), config.getoption("smqa_database"))
-    config.stash[_STATE] = {"names": backend_names(config), "profile": profile, "backends": {}, "drawn": {},
-                           "reports": []}
+    config.stash[_STATE] = {"backends": {}, "drawn": {}, "reports": []}
     config.pluginmanager.register(_Reports(config.stash[_STATE]), "smqa-reports")
+
+
+def _selected(config) -> dict:
+    """Backends and profile of the run, resolved on first use (so an unrelated repo never pays or fails)."""
+    state = config.stash[_STATE]
+    if "names" not in state:
+        try:
+            state["profile"] = profiles.select(config.getoption("smqa_profile"), config.getoption("smqa_database"))
+        except ValueError as e:
+            raise pytest.UsageError(f"sparse-mqa-testkit: {e}") from None
+        state["names"] = backend_names(config)
+        wanted = [c.removeprefix("check_") for c in config.getoption("smqa_check")]
+        unknown = sorted(set(wanted) - set(_check_names()))
+        if unknown:
+            raise pytest.UsageError(f"--smqa-check {', '.join(unknown)}: not a check; choose from "
+                                    f"{', '.join(_check_names())}")
+        state["checks"] = wanted
+    return state
 
 
 # ---- xdist: one worker per GPU, each pinned ------------------------------------------------------------------
@@ -129,31 +158,46 @@ def pytest_report_header(config):
     if getattr(config, "workerinput", None) is not None:
         return None
     try:
-        import torch
+        state = _selected(config)
+    except pytest.UsageError as e:  # reported as a usage error once a suite test or fixture is used
+        return [f"sparse-mqa-testkit: {e}"]
+    import torch
 
-        torch_v, cuda_v = torch.__version__, torch.version.cuda or "absent"
-    except ImportError:
-        torch_v = cuda_v = "absent"
-    state = config.stash[_STATE]
     db = profiles.active().database
     return [f"sparse-mqa-testkit: backends {', '.join(state['names'])}; profile {state['profile']} "
             f"({profiles.active().max_examples} examples/test, database "
             f"{getattr(db, 'path', None) or 'none'})",
-            f"{_gpus_line()}; CUDA {cuda_v}; torch {torch_v}; tilelang {_version('tilelang')}; "
-            f"cudnn-frontend {_version('nvidia-cudnn-frontend')}; "
+            f"{_gpus_line()}; CUDA {torch.version.cuda or 'absent'}; torch {torch.__version__}; "
+            f"tilelang {_version('tilelang')}; cudnn-frontend {_version('nvidia-cudnn-frontend')}; "
             f"TILELANG_CACHE_DIR {os.environ.get('TILELANG_CACHE_DIR', 'unset')}"]
 
 
 # ---- parametrization and fixtures -----------------------------------------------------------------------------
 def pytest_generate_tests(metafunc):
-    state = metafunc.config.stash[_STATE]
+    if not any(f in metafunc.fixturenames for f in FIXTURES):
+        return
+    state = _selected(metafunc.config)
     own = {a for m in metafunc.definition.iter_markers("parametrize") for a in _argnames(m)}
-    if "smqa_backend" in metafunc.fixturenames and "smqa_backend" not in own:
+    if "smqa_backend" not in own:
         metafunc.parametrize("smqa_backend", state["names"], ids=state["names"], indirect=True, scope="session")
+    if "smqa_check" in metafunc.fixturenames and "smqa_check" not in own:
+        from .checks.registry import CHECKS
+
+        outside = metafunc.definition.get_closest_marker("smqa_outside_domain") is not None
+        names = [n for n, c in CHECKS.items() if c.outside_domain or not outside]
+        metafunc.parametrize("smqa_check", names, ids=names, indirect=True)
     if "smqa_case" in metafunc.fixturenames and "smqa_case" not in own:
-        marker = metafunc.definition.get_closest_marker("smqa_cases")
-        n = int(marker.args[0]) if marker and marker.args else 3
+        n = _n_cases(metafunc.definition)
         metafunc.parametrize("smqa_case", range(n), ids=[f"case{i}" for i in range(n)], indirect=True)
+
+
+def _n_cases(node) -> int:
+    marker = node.get_closest_marker("smqa_cases")
+    return int(marker.args[0]) if marker and marker.args else 3
+
+
+def _uses_suite(item) -> bool:
+    return any(f in getattr(item, "fixturenames", ()) for f in FIXTURES)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -162,14 +206,21 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason=_NO_GPU.format(what="this test"))  # reported at the test, not here
         for item in gpu_items:
             item.add_marker(skip)
-    wanted = [c.removeprefix("check_") for c in config.getoption("smqa_check")]
+    if not any(_uses_suite(i) for i in items):
+        return
+    wanted = _selected(config)["checks"]
     if not wanted:
         return
+    from .checks.registry import COVERAGE
+
     keep, drop = [], []
     for item in items:
-        name = getattr(item, "originalname", item.name)
-        chosen = any(name == f"test_{c}" or name.startswith(f"test_{c}_") for c in wanted)
-        (keep if chosen or not _is_suite(item) else drop).append(item)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "smqa_check" in params:
+            chosen = params["smqa_check"] in wanted
+        else:
+            chosen = not _is_suite(item) or (COVERAGE in wanted and item.originalname == f"test_{COVERAGE}")
+        (keep if chosen else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
@@ -181,10 +232,8 @@ def _argnames(marker) -> list[str]:
 
 
 def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
+    import torch  # here, not at the top: the plugin loads in every pytest run where the package is installed
+
     return bool(torch.cuda.is_available())
 
 
@@ -203,7 +252,7 @@ def smqa_backend(request):
     """The backend under test (one per ``--smqa-backend``), warmed up once per worker."""
     from .backends import BackendNotFound, get_backend
 
-    state = request.config.stash[_STATE]
+    state = _selected(request.config)
     name = getattr(request, "param", None) or state["names"][0]
     if name not in state["backends"]:
         try:
@@ -221,75 +270,124 @@ def smqa_backend(request):
     return state["backends"][name]
 
 
+def _recorder(item):
+    """The item's recorder, made on first use and listed in its ``user_properties`` for the table."""
+    from .recording import PROPERTY, Recorder
+
+    rec = item.stash.get(_REC, None)
+    if rec is None:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        check = params.get("smqa_check") or item.originalname.removeprefix("test_")
+        if params.get("smqa_check") and item.get_closest_marker("smqa_outside_domain") is not None:
+            check += "_outside_domain"
+        rec = Recorder(check=check, backend=str(params.get("smqa_backend", "?")))
+        item.stash[_REC] = rec
+        item.user_properties.append((PROPERTY, rec.data()))
+    return rec
+
+
+@pytest.fixture
+def smqa_checks(request, smqa_backend):
+    """The checks bound to the backend and this test: ``smqa_checks.tolerance(case)``, ``.determinism(case)``,
+    ``.guards``, ``.rejection``, ``.forward_tolerance``; each records, raises ``CheckFailure`` on failure and
+    returns the ``CheckResult``."""
+    from .fixtures import Checks
+
+    return Checks(smqa_backend, _recorder(request.node))
+
+
+@pytest.fixture
+def smqa_check(request, smqa_checks):
+    """One check of the registry, bound to the backend and this test: ``smqa_check(case)``."""
+    from .checks.registry import get_check
+    from .fixtures import BoundCheck
+
+    check = get_check(request.param)
+    if request.node.get_closest_marker("smqa_outside_domain") is not None:
+        from .strategies import outside_dims
+
+        if not outside_dims(smqa_checks.backend):
+            pytest.skip(f"backend {smqa_checks.backend.name!r} declares no (Dqk, Dv) restriction: nothing "
+                        "outside its domain to refuse")
+    reason = check.applies_to(smqa_checks.backend)
+    if reason:
+        pytest.skip(reason)
+    return BoundCheck(check.name, smqa_checks)
+
+
 @pytest.fixture
 def smqa_case(request, smqa_backend):
     """A case drawn (deterministically) inside the backend's domain, with its tensors on the backend's device."""
+    from .fixtures import drawn_case
+    from .strategies import cases_for, draw_examples
+
     state = request.config.stash[_STATE]
-    marker = request.node.get_closest_marker("smqa_cases")
-    n = int(marker.args[0]) if marker and marker.args else 3
+    n = _n_cases(request.node)
     key = (id(smqa_backend), n)
     if key not in state["drawn"]:
-        state["drawn"][key] = suite.draw_examples(strategies.cases_for(smqa_backend), n)
+        state["drawn"][key] = draw_examples(cases_for(smqa_backend), n)
     drawn = state["drawn"][key]
-    return suite.drawn_case(smqa_backend, drawn[getattr(request, "param", 0) % len(drawn)])
+    _recorder(request.node)
+    return drawn_case(smqa_backend, drawn[getattr(request, "param", 0) % len(drawn)])
 
 
 @pytest.fixture(scope="session")
 def smqa_oracle():
     """The NumPy oracle on a case: ``smqa_oracle.forward(case)``, ``smqa_oracle.backward(case)`` (float64)."""
-    return suite.Oracle()
+    from .fixtures import Oracle
+
+    return Oracle()
 
 
-@pytest.fixture(scope="session")
-def smqa_checks(smqa_backend):
-    """The checks bound to the backend: ``smqa_checks.tolerance(case)``, ``.determinism(case)``, ``.guards``,
-    ``.rejection``, ``.forward_tolerance``; each records, raises ``CheckFailure`` on failure, returns the result."""
-    return suite.Checks(smqa_backend)
-
-
-# ---- running: gpu marker, the active backend, recording ------------------------------------------------------
+# ---- running: gpu marker, the backend the strategies draw for, Hypothesis settings, recording -----------------
 def pytest_runtest_setup(item):
     if item.get_closest_marker("gpu") is not None and not _cuda_available():
         _no_gpu(item.config, "this test")
     if _is_suite(item):
-        params = getattr(item, "callspec", None)
-        name = params.params.get("smqa_backend") if params else None
-        rec = suite.Recorder(check=item.originalname.removeprefix("test_"), backend=str(name))
-        item.stash[_REC] = rec
-        item.user_properties.append((suite.PROPERTY, rec.data()))
-
-
-_REC = pytest.StashKey[suite.Recorder]()
+        _recorder(item)  # a suite test has a row even when its setup skips or fails
 
 
 def _is_suite(item) -> bool:
     return getattr(item, "module", None) is not None and item.module.__name__.startswith(SUITE_PACKAGE + ".")
 
 
-@pytest.hookimpl(hookwrapper=True)
+def _hypothesis_settings(item) -> None:
+    """The selected profile for a Hypothesis test that did not choose its own settings, and an example
+    database key per test id (so each backend replays only its own failures)."""
+    from hypothesis import HealthCheck, settings
+
+    fn = item.obj
+    inner = getattr(getattr(fn, "hypothesis", None), "inner_test", None)
+    if inner is None:
+        return
+    explicit = hasattr(fn, "_hypothesis_internal_settings_applied") or \
+        hasattr(inner, "_hypothesis_internal_settings_applied")
+    base = fn._hypothesis_internal_use_settings if explicit else profiles.active()
+    # the smqa fixtures belong to the test, not to one example: they are meant to outlive the examples
+    fn._hypothesis_internal_use_settings = settings(
+        base, suppress_health_check=set(base.suppress_health_check) | {HealthCheck.function_scoped_fixture})
+    inner._hypothesis_internal_add_digest = f"{item.module.__name__}::{item.name}".encode()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_call(item):
     backend = getattr(item, "funcargs", {}).get("smqa_backend")
-    rec = item.stash.get(_REC, None)
     if backend is None:
         yield
         return
-    if rec is None:  # a downstream test using the fixtures: record what its checks saw, too
-        params = getattr(item, "callspec", None)
-        name = params.params.get("smqa_backend") if params else getattr(backend, "name", "?")
-        rec = suite.Recorder(check=item.originalname.removeprefix("test_"), backend=str(name))
-        item.user_properties.append((suite.PROPERTY, rec.data()))
-        item.stash[_REC] = rec
+    from .recording import PROPERTY
+    from .strategies import BACKEND
+
+    rec = _recorder(item)
     rec.tiles = dict(getattr(backend, "tiles", None) or {})
-    strategies.set_active_backend(backend)
-    suite.current = rec
+    item.stash[BACKEND] = backend
+    _hypothesis_settings(item)
     try:
         yield
     finally:
-        suite.current = None
-        strategies.set_active_backend(None)
-        props = [(k, v) for k, v in item.user_properties if k != suite.PROPERTY]
+        props = [(k, v) for k, v in item.user_properties if k != PROPERTY]
         keep = rec.cases or _is_suite(item)  # a downstream test that ran no check gets no row
-        item.user_properties[:] = props + ([(suite.PROPERTY, rec.data())] if keep else [])
+        item.user_properties[:] = props + ([(PROPERTY, rec.data())] if keep else [])
 
 
 class _Reports:
@@ -299,21 +397,25 @@ class _Reports:
         self.state = state
 
     def pytest_runtest_logreport(self, report):
-        if any(k == suite.PROPERTY for k, _ in report.user_properties):
+        from .recording import PROPERTY
+
+        if any(k == PROPERTY for k, _ in report.user_properties):
             self.state["reports"].append(report)
 
 
 def pytest_terminal_summary(terminalreporter):
+    from .table import format_table, summarize
+
     state = terminalreporter.config.stash[_STATE]
     if state.get("workers"):
         terminalreporter.section("sparse-mqa-testkit: xdist workers and their GPUs")
         for wid, info in sorted(state["workers"].items()):
             terminalreporter.write_line(f"{wid}: CUDA_VISIBLE_DEVICES={info['pinned']} -> "
                                         f"{info.get('device', 'CUDA not used by its tests')}")
-    rows = suite.summarize(state["reports"])
+    rows = summarize(state["reports"])
     if rows:
         terminalreporter.section("sparse-mqa-testkit conformance")
-        terminalreporter.write_line(suite.format_table(rows))
+        terminalreporter.write_line(format_table(rows))
 
 
 def _worker_gpu() -> dict:
@@ -339,7 +441,9 @@ def pytest_sessionfinish(session, exitstatus):
         session.config.workeroutput["smqa_gpu"] = _worker_gpu()
         return
     path = session.config.getoption("smqa_json")
-    if path:
-        state = session.config.stash[_STATE]
-        suite.write_json(path, suite.summarize(state["reports"]), backends=state["names"],
-                         profile=state["profile"], exitstatus=int(exitstatus))
+    state = session.config.stash[_STATE]
+    if path and "names" in state:
+        from .table import summarize, write_json
+
+        write_json(path, summarize(state["reports"]), backends=state["names"], profile=state["profile"],
+                   exitstatus=int(exitstatus))

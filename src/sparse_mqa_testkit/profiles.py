@@ -53,6 +53,25 @@ def database_dir(explicit: str | os.PathLike | None = None, *, cwd: Path | None 
     return cwd / ".hypothesis" / "smqa"
 
 
+def max_examples_override() -> int | None:
+    """$SMQA_MAX_EXAMPLES as a positive int, None when unset; ValueError naming the variable otherwise."""
+    raw = os.environ.get(MAX_EXAMPLES_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{MAX_EXAMPLES_ENV} must be a positive integer (examples per test), got {raw!r}")
+    return int(raw)
+
+
+def profile_name(name: str | None = None) -> str:
+    """``name``, else $SMQA_PROFILE, else dev; ValueError naming where an unknown name came from."""
+    chosen = name or os.environ.get(PROFILE_ENV) or DEFAULT_PROFILE
+    if chosen not in PROFILES:
+        where = "profile" if name else PROFILE_ENV
+        raise ValueError(f"{where} must be one of {', '.join(PROFILES)}, got {chosen!r}")
+    return chosen
+
+
 def profile_settings(name: str, database: str | os.PathLike | None = None) -> settings:
     """The settings object of profile ``name`` (database as resolved by ``database_dir``)."""
     if name not in PROFILES:
@@ -63,8 +82,8 @@ def profile_settings(name: str, database: str | os.PathLike | None = None) -> se
     else:
         where = database_dir(database)
         db = DirectoryBasedExampleDatabase(str(where)) if where is not None else None
-    examples = int(os.environ.get(MAX_EXAMPLES_ENV) or MAX_EXAMPLES[name])
-    common = dict(deadline=None, database=db, suppress_health_check=_SUPPRESS, max_examples=examples)
+    common = dict(deadline=None, database=db, suppress_health_check=_SUPPRESS,
+                  max_examples=max_examples_override() or MAX_EXAMPLES[name])
     if name == "dev":
         return settings(phases=_NO_TARGET, **common)
     if name == "ci":
@@ -84,7 +103,7 @@ def select(name: str | None = None, database: str | os.PathLike | None = None) -
     downstream repo's other property tests keep their settings.
     """
     global _active
-    name = name or os.environ.get(PROFILE_ENV) or DEFAULT_PROFILE
+    name = profile_name(name)
     _active = (name, profile_settings(name, database))
     return name
 

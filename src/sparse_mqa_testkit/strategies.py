@@ -7,7 +7,8 @@ Each boundary class is reported with ``hypothesis.event`` so a run shows what it
 
 from __future__ import annotations
 
-from hypothesis import event
+import pytest
+from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from . import contract
@@ -108,7 +109,7 @@ def cases(draw, *, dims=None, tiles: dict | None = None, max_b: int = 2, max_s: 
 
 
 # ---- drawing for a backend ------------------------------------------------------------------------------------
-PRODUCTION_DIMS = tuple(map(tuple, contract.KERNEL_DIMS))
+PRODUCTION_DIMS = contract.PRODUCTION_DIMS
 # Defaults per device: CPU runs stay small; GPU runs reach H = 128 and production dims. max_work bounds what the
 # NumPy oracle pays per case (B*S*H*L*Dqk; 8M is about 1 s for both float64 and float32 on one core).
 CPU_LIMITS = dict(max_b=2, max_s=24, max_skv=48, max_h=20, max_l=40, max_work=1_500_000)
@@ -167,25 +168,67 @@ def cases_outside(backend, **limits) -> st.SearchStrategy[Case]:
     return cases(**kw).filter(lambda c: callable(supports) and supports(c) is not None)
 
 
+TILE_OF = {"H": "head_group", "S": "query_chunk", "L": "topk_block"}
+
+
+def boundary_examples(backend) -> dict[str, Case]:
+    """Each boundary class a backend's declared domain allows -> one small case in it (tiles > 2 only have
+    distinct below / on / above classes)."""
+    tiles = dict(getattr(backend, "tiles", None) or {})
+    dqk, dv = backend_dims(backend)[0]
+    base = Case(B=1, S=2, Skv=8, H=2, L=4, Dqk=dqk, Dv=dv)
+    want = {f"sink {m}": base.replace(sink=m) for m in SINK_MODES}
+    want |= {f"topk {m}": base.replace(topk=m) for m in TOPK_MODES}
+    want |= {f"invalid {m}": base.replace(invalid=m) for m in INVALID_MODES}
+    want |= {"H < 16": base.replace(H=1), "duplicates": base.replace(duplicates=True)}
+    for size, key in TILE_OF.items():
+        t = tiles.get(key, 0)
+        if t > 2:
+            for where, n in (("below", t - 1), ("on", t), ("above", t + 1)):
+                want[f"{size} {where} tile"] = base.replace(**{size: n})
+    supports = getattr(backend, "supports", None)
+    return {k: c for k, c in want.items() if not callable(supports) or supports(c) is None}
+
+
 # ---- the suite's strategy: cases for whichever backend the running test was given -----------------------------
-_active_backend = None
+# The plugin puts the running test's backend here (in the pytest item's stash) before the test is called.
+BACKEND = pytest.StashKey[object]()
 
 
-def set_active_backend(backend) -> None:
-    """Set by the pytest plugin before each suite test runs (the backend of that test's parametrization)."""
-    global _active_backend
-    _active_backend = backend
+def _running_backend():
+    """The backend of the pytest test whose Hypothesis test is drawing now, or None."""
+    # Hypothesis's pytest plugin records the item it is running; the backend is in that item's own stash
+    from hypothesis.internal.escalation import current_pytest_item
+
+    item = current_pytest_item.value
+    return None if item is None else item.stash.get(BACKEND, None)
 
 
 @st.composite
 def backend_cases(draw, *, outside: bool = False, **limits) -> Case:
-    """``cases_for`` the active backend (``cases_outside`` with ``outside=True``), resolved at draw time.
+    """``cases_for`` the running test's backend (``cases_outside`` with ``outside=True``), resolved at draw time.
 
     Lets a test write ``@given(case=backend_cases())`` and take ``smqa_backend`` as a fixture, so a failing
     case prints (and patches in as ``@example(case=Case(...))``) on its own.
     """
-    if _active_backend is None:
-        raise RuntimeError("backend_cases() needs the active backend: use it in a test that takes the "
-                           "smqa_backend fixture (sparse_mqa_testkit's pytest plugin)")
+    backend = _running_backend()
+    if backend is None:
+        raise RuntimeError("backend_cases() draws for the backend of the test running it: use it in a test that "
+                           "takes the smqa_backend fixture (sparse_mqa_testkit's pytest plugin)")
     make = cases_outside if outside else cases_for
-    return draw(make(_active_backend, **limits))
+    return draw(make(backend, **limits))
+
+
+def draw_examples(strategy, n: int) -> list:
+    """The first ``n`` examples of a derandomized run of ``strategy`` (the same every time), outside @given."""
+    box: list = []
+
+    @settings(max_examples=n, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def grab(x):
+        if len(box) < n:
+            box.append(x)
+
+    grab()
+    return box

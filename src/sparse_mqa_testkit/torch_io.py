@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .oracle.bf16 import bfloat16
 
 
 def to_torch(a, device="cpu", dtype=None):
     """A NumPy array (ml_dtypes bf16 included) as a torch tensor on ``device``; ``dtype`` casts after."""
-    import torch
-
     if a is None:
         return None
     a = np.asarray(a)

@@ -1,15 +1,10 @@
 """Our deterministic TileLang backward on a GPU: the conformance checks (tolerance vs the float64 oracle,
 bitwise determinism in a hostile environment, guards, rejection) over the contract's boundaries, plus
-agreement with the NumPy model of the same algorithm and a padded-head out-of-bounds probe.
-
-SMQA_BWD_KW (JSON, e.g. '{"ws": false}') passes keyword arguments to ``sparse_mla_backward`` so that a
-non-default kernel configuration can be put through the same checks before it becomes the default."""
+agreement with the NumPy model of the same algorithm and a padded-head out-of-bounds probe."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import numpy as np
 import pytest
@@ -20,8 +15,9 @@ pytest.importorskip("tilelang")
 from sparse_mqa_testkit import contract  # noqa: E402
 from sparse_mqa_testkit.backends.base import BackendBase  # noqa: E402
 from sparse_mqa_testkit.cases import Case  # noqa: E402
-from sparse_mqa_testkit.checks import (backend_inputs, check_backward_tolerance, check_determinism,  # noqa: E402
-                                       check_guards, check_rejection)
+from sparse_mqa_testkit.checks import (check_backward_tolerance, check_determinism, check_guards,  # noqa: E402
+                                       check_rejection)
+from sparse_mqa_testkit.checks.inputs import backend_inputs  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -33,17 +29,16 @@ class BackwardOnly(BackendBase):
     name = "tilelang-backward"
     device = "cuda"
     deterministic = True
-    dims = contract.KERNEL_DIMS
+    dims = contract.PRODUCTION_DIMS
 
     def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
-        from sparse_mqa_testkit.kernels.backward import sparse_mla_backward
+        from sparse_mqa_kernels.backward import sparse_mqa_backward
 
-        return sparse_mla_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
-                                   topk_length=topk_length, **_KW)
+        return sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
+                                   topk_length=topk_length)
 
 
 BACKEND = BackwardOnly()
-_KW = json.loads(os.environ.get("SMQA_BWD_KW", "{}"))
 
 _CASES = []
 for _i, (_dims, _h, _l, _sink, _topk, _invalid, _dup) in enumerate([
@@ -90,7 +85,7 @@ def test_rejection():
 def test_production_sized_determinism_and_model_agreement():
     """A mid-sized case: bitwise stable over repeats on the default and a side stream, and close to the
     NumPy model of the same algorithm (same plan and fixed point; tensor-core summation order differs)."""
-    from sparse_mqa_testkit.kernels.model import model_backward
+    from sparse_mqa_kernels.backward_model import model_backward
 
     case = Case(B=1, S=64, Skv=2048, H=64, L=256, Dqk=576, Dv=512, sink="finite", invalid="holes", seed=3)
     t = backend_inputs(BACKEND, case)
@@ -144,33 +139,39 @@ def test_padded_heads_never_read_out_of_bounds(H):
 def test_query_chunks_match_one_launch():
     """Several launches (query chunks) give the same dq and dkv bits as one; d_sink sums its per-chunk
     partials in a fixed order, so it agrees to float32 rounding."""
-    from sparse_mqa_testkit.kernels.backward import sparse_mla_backward
+    from sparse_mqa_kernels.backward import sparse_mqa_backward
+    from sparse_mqa_kernels.bwd_plan import BackwardConfig
 
     case = Case(B=2, S=23, Skv=300, H=17, L=70, Dqk=576, Dv=512, sink="finite", topk="random",
                 invalid="holes", seed=5)
     t = backend_inputs(BACKEND, case)
     args = (t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"], t["sm_scale"])
-    one = sparse_mla_backward(*args, topk_length=t["topk_length"], **_KW)
-    many = sparse_mla_backward(*args, topk_length=t["topk_length"], max_query_chunk=5, **_KW)
+    chunked = BackwardConfig(max_query_chunk=5)
+    one = sparse_mqa_backward(*args, topk_length=t["topk_length"])
+    many = sparse_mqa_backward(*args, topk_length=t["topk_length"], config=chunked)
     assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
     torch.testing.assert_close(one[2], many[2], rtol=1e-5, atol=1e-6)
-    again = sparse_mla_backward(*args, topk_length=t["topk_length"], max_query_chunk=5, **_KW)
+    again = sparse_mqa_backward(*args, topk_length=t["topk_length"], config=chunked)
     assert all(torch.equal(a, b) for a, b in zip(many, again))
 
 
 @pytest.mark.parametrize("case", [_CASES[i] for i in (6, 7, 12)], ids=[_IDS[i] for i in (6, 7, 12)])
 def test_both_kernel_bodies_give_the_same_bits(case):
     """64-head groups: the warp-specialised body and the single-role body run the same products in the same
-    order and sum dkv exactly, so dq, dkv and d_sink agree bit for bit (also with more staging rounds)."""
-    from sparse_mqa_testkit.kernels.backward import sparse_mla_backward
+    order and sum dkv exactly, so dq, dkv and d_sink agree bit for bit (over one launch and several)."""
+    from sparse_mqa_kernels.backward import sparse_mqa_backward
+    from sparse_mqa_kernels.bwd_plan import BackwardConfig
 
     t = backend_inputs(BACKEND, case)
     args = (t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"], t["sm_scale"])
-    ref = sparse_mla_backward(*args, topk_length=t["topk_length"], ws=False)
-    for kw in (dict(), dict(defer=0), dict(stage_rows=4, stage_bufs=2)):
-        got = sparse_mla_backward(*args, topk_length=t["topk_length"], **kw)
+    ref = sparse_mqa_backward(*args, topk_length=t["topk_length"], config=BackwardConfig(single_role=True))
+    for config in (BackwardConfig(), BackwardConfig(max_query_chunk=4)):
+        got = sparse_mqa_backward(*args, topk_length=t["topk_length"], config=config)
         for name, a, b in zip(("dq", "dkv", "d_sink"), got, ref):
-            assert (a is None and b is None) or torch.equal(a, b), f"{name} differs from ws=False with {kw}"
+            same = (a is None and b is None) or torch.equal(a, b)
+            if name == "d_sink" and config.max_query_chunk != BackwardConfig().max_query_chunk:
+                same = same or bool(torch.allclose(a, b, rtol=1e-5, atol=1e-6))  # summed per launch
+            assert same, f"{name} differs from the single-role body with {config}"
 
 
 @pytest.mark.parametrize("H, dims", [(1, (576, 512)), (17, (576, 512)), (64, (512, 512))])
@@ -178,7 +179,7 @@ def test_prep_pass_matches_its_formulas(H, dims):
     """``bwd_prep``: Delta = <out, dO> to float32 summation error, the fixed-point exponent F the largest with
     G 2**F <= 2**(ACC_BITS - HEADROOM_BITS) for G = sum over rows of c Vmax max|q| |dO| + max|dO| (computed
     here in float64), heads past H (a step of 4 heads is padded at H = 1, 17) adding nothing; bitwise repeats."""
-    from sparse_mqa_testkit.kernels import backward, bwd_plan
+    from sparse_mqa_kernels import backward, bwd_plan
 
     Dqk, Dv = dims
     g = torch.Generator(device="cuda").manual_seed(H)

@@ -28,10 +28,10 @@ LSE_ABS = 5e-5  # times (1 + |lse|)
 
 
 def _forward(x: dict):
-    from sparse_mqa_testkit.kernels.forward import sparse_mla_forward
+    from sparse_mqa_kernels.forward import sparse_mqa_forward
 
     t = input_tensors(x, "cuda")
-    out, lse = sparse_mla_forward(t["q"], t["kv"], t["indices"], x["sm_scale"], x["d_v"],
+    out, lse = sparse_mqa_forward(t["q"], t["kv"], t["indices"], x["sm_scale"], x["d_v"],
                                   attn_sink=t["attn_sink"], topk_length=t["topk_length"])
     torch.cuda.synchronize()
     return out, lse
@@ -103,7 +103,7 @@ def test_matches_oracle(case):
     assert_matches_oracle(x, out, lse, case.repro())
 
 
-@pytest.mark.parametrize("dims", contract.KERNEL_DIMS)
+@pytest.mark.parametrize("dims", contract.PRODUCTION_DIMS)
 def test_production_sizes(dims):
     """L = 2048 with a finite sink and DeepSeek's sm_scale, against the oracle."""
     case = Case(B=1, S=6, Skv=4096, H=64, L=2048, Dqk=dims[0], Dv=dims[1], sm_scale=1.0 / 192**0.5,
@@ -121,7 +121,7 @@ def test_hypothesis_cases():
 
     @settings(max_examples=25, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(cases(dims=contract.KERNEL_DIMS, tiles={"head_group": 64, "topk_block": 64}, max_s=6, max_skv=300,
+    @given(cases(dims=contract.PRODUCTION_DIMS, tiles={"head_group": 64, "topk_block": 64}, max_s=6, max_skv=300,
                  max_h=130, max_l=260))
     def run(case):
         x = case.inputs()
@@ -141,7 +141,7 @@ def _referenced_rows(x) -> np.ndarray:
     return used
 
 
-@pytest.mark.parametrize("dims", contract.KERNEL_DIMS)
+@pytest.mark.parametrize("dims", contract.PRODUCTION_DIMS)
 def test_unreferenced_kv_rows_are_never_read(dims):
     """NaN in every KV row no valid slot references changes no bit of out or lse."""
     case = Case(B=2, S=6, Skv=500, H=20, L=150, Dqk=dims[0], Dv=dims[1], sink="mixed", topk="random",
@@ -205,7 +205,7 @@ def test_deterministic_bitwise():
 
 
 def test_no_recompile_across_b_s_skv_h_l():
-    from sparse_mqa_testkit.kernels import forward
+    from sparse_mqa_kernels import forward
 
     base = Case(B=1, S=3, Skv=100, H=16, L=64, Dqk=576, Dv=512, sink="finite", seed=1)
     _forward(base.inputs())
@@ -219,22 +219,22 @@ def test_no_recompile_across_b_s_skv_h_l():
 
 
 def test_bad_arguments_raise_before_gpu_work():
-    from sparse_mqa_testkit.kernels.forward import sparse_mla_forward
+    from sparse_mqa_kernels.forward import sparse_mqa_forward
 
     x = Case(B=1, S=2, Skv=16, H=2, L=8, Dqk=576, Dv=512).inputs()
     t = input_tensors(x, "cuda")
     with pytest.raises(ValueError, match="q must be bfloat16"):
-        sparse_mla_forward(t["q"].half(), t["kv"], t["indices"], 0.1, 512)
+        sparse_mqa_forward(t["q"].half(), t["kv"], t["indices"], 0.1, 512)
     with pytest.raises(ValueError, match="indices must be int32"):
-        sparse_mla_forward(t["q"], t["kv"], t["indices"].long(), 0.1, 512)
+        sparse_mqa_forward(t["q"], t["kv"], t["indices"].long(), 0.1, 512)
     with pytest.raises(ValueError, match="kv must be on"):
-        sparse_mla_forward(t["q"], t["kv"].cpu(), t["indices"], 0.1, 512)
+        sparse_mqa_forward(t["q"], t["kv"].cpu(), t["indices"], 0.1, 512)
 
 
 def test_conformance_forward_tolerance():
     """The conformance suite's forward tolerance check, through the tilelang backend."""
     tol = pytest.importorskip("sparse_mqa_testkit.checks.tolerance")
-    from sparse_mqa_testkit.kernels.backend import TileLangBackend
+    from sparse_mqa_kernels.backends import TileLangBackend
 
     backend = TileLangBackend()
     ratios = []

@@ -1,9 +1,10 @@
 """Backends: the protocol, the registry and the built-in ``reference`` backend."""
 
-from .base import Backend, BackendBase
-from .registry import (ENTRY_POINT_GROUP, BackendNotFound, available_backends, default_backend_name,
-                       get_backend)
+from .base import Backend, BackendBase, MissingDependency
+from .registry import (ENTRY_POINT_GROUP, BackendNotFound, available_backends, default_backend_name, get_backend,
+                       resolve_backend)
 from .validate import check_backward_args, check_forward_args
 
-__all__ = ["Backend", "BackendBase", "BackendNotFound", "ENTRY_POINT_GROUP", "available_backends",
-           "default_backend_name", "get_backend", "check_backward_args", "check_forward_args"]
+__all__ = ["Backend", "BackendBase", "BackendNotFound", "ENTRY_POINT_GROUP", "MissingDependency",
+           "available_backends", "check_backward_args", "check_forward_args", "default_backend_name",
+           "get_backend", "resolve_backend"]

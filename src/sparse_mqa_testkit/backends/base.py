@@ -5,6 +5,14 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 
+class MissingDependency(ImportError):
+    """An optional package a backend needs is not installed here; the message names what to install.
+
+    A backend raises it (from ``require()``, its constructor or its first call) instead of a bare ImportError,
+    so that tools can tell "not installed here" from a backend module that is broken.
+    """
+
+
 @runtime_checkable
 class Backend(Protocol):
     """A backward kernel (and optionally its forward) under test.
@@ -21,8 +29,15 @@ class Backend(Protocol):
 
     ``backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None)``
     -> ``(dq, dkv, d_sink)`` on torch tensors with the contract's shapes and dtypes (lse natural-log and
-    sink-exclusive; attn_sink None gives d_sink None). Optionally
-    ``forward(q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None) -> (out, lse)``.
+    sink-exclusive; attn_sink None gives d_sink None).
+
+    Optional
+        ``forward(q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None) -> (out, lse)``
+        ``require()``: raise ``MissingDependency`` when a package it needs is not installed
+        ``warmup()``: compile its kernels once, before any check (called once per process)
+        ``precompile(directory)``: compile every kernel variant into a cache directory, on a machine
+        without a GPU too; returns a description per variant
+        ``default_for = "cuda"``: run it when nothing is named on a machine with that device
     """
 
     name: str

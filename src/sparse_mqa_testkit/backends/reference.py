@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .. import oracle
 from ..torch_io import to_torch
@@ -22,16 +23,12 @@ class ReferenceBackend(BackendBase):
         self.device = device
 
     def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
-        import torch
-
         check_forward_args(q, kv, indices, sm_scale, d_v, attn_sink=attn_sink, topk_length=topk_length)
         out, lse = oracle.forward(q, kv, indices, sm_scale=sm_scale, d_v=d_v, attn_sink=attn_sink,
                                   topk_length=topk_length, dtype=np.float32)
         return _result(out, q, torch.bfloat16), _result(lse, q, torch.float32)
 
     def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
-        import torch
-
         dims = check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
                                    topk_length=topk_length)
         # the oracle recomputes P from the primal inputs; out and lse are validated but not trusted

@@ -1,19 +1,16 @@
-"""Finding a backend by name: built-ins, the ``sparse_mqa_testkit.backends`` entry-point group, or ``module:attr``."""
+"""Finding a backend by name: ``reference``, the ``sparse_mqa_testkit.backends`` entry-point group, or
+``module:attr``. The testkit knows no kernel: every other backend, ours included, comes in through the
+entry-point group (``[project.entry-points."sparse_mqa_testkit.backends"]`` in its package's pyproject.toml)."""
 
 from __future__ import annotations
 
 import importlib
 from importlib.metadata import entry_points
 
-ENTRY_POINT_GROUP = "sparse_mqa_testkit.backends"
+import torch
 
-# name -> "module:attr" of a backend or a zero-argument factory; imported only when asked for
-BUILTINS = {
-    "reference": "sparse_mqa_testkit.backends.reference:ReferenceBackend",
-    "tilelang": "sparse_mqa_testkit.kernels.backend:TileLangBackend",
-    "tilelang-model": "sparse_mqa_testkit.kernels.model:TileLangModelBackend",
-    "cudnn": "sparse_mqa_testkit.backends.cudnn:CudnnBackend",
-}
+ENTRY_POINT_GROUP = "sparse_mqa_testkit.backends"
+REFERENCE = "reference"
 
 
 class BackendNotFound(LookupError):
@@ -25,8 +22,8 @@ def _entry_points() -> dict:
 
 
 def available_backends() -> list[str]:
-    """Names that ``get_backend`` knows (built-ins and installed entry points), whether or not they load here."""
-    return sorted(set(BUILTINS) | set(_entry_points()))
+    """Names that ``get_backend`` knows (``reference`` and installed entry points), whether or not they load."""
+    return sorted({REFERENCE} | set(_entry_points()))
 
 
 def _load(spec: str):
@@ -49,8 +46,10 @@ def _instantiate(obj, label: str):
 
 def get_backend(name: str):
     """A backend by registered name or ``module:attr`` (a backend object, class or zero-argument factory)."""
-    if name in BUILTINS:
-        return _instantiate(_load(BUILTINS[name]), name)
+    if name == REFERENCE:
+        from .reference import ReferenceBackend
+
+        return ReferenceBackend()
     eps = _entry_points()
     if name in eps:
         return _instantiate(eps[name].load(), name)
@@ -60,13 +59,19 @@ def get_backend(name: str):
                           "or give 'module:attr'")
 
 
-def default_backend_name() -> str:
-    """The deterministic GPU backend when CUDA is available, else ``reference``."""
-    try:
-        import torch
+def resolve_backend(backend):
+    """A backend object as given, or the one a registered name or ``module:attr`` names."""
+    return get_backend(backend) if isinstance(backend, str) else backend
 
-        if torch.cuda.is_available():
-            return "tilelang"
-    except ImportError:
-        pass
-    return "reference"
+
+def default_backend_name() -> str:
+    """On a machine with CUDA, the installed backend that declares ``default_for = "cuda"`` (the first by name
+    if several do); else ``reference``."""
+    if torch.cuda.is_available():
+        for name, ep in sorted(_entry_points().items()):
+            try:
+                if getattr(ep.load(), "default_for", None) == "cuda":
+                    return name
+            except Exception:  # a backend that cannot load here is no default; naming it reports why
+                continue
+    return REFERENCE

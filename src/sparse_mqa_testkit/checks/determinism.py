@@ -10,24 +10,21 @@ from __future__ import annotations
 
 import math
 
-from .inputs import (BACKWARD_OUTPUTS, FORWARD_OUTPUTS, backend_inputs, bits, bitwise_equal, call_backward,
-                     call_forward, first_difference, has_forward)
-from .report import exception_summary, fmt_index, result
+import torch
+
+from .inputs import OUTPUTS, backend_inputs, bits_differ, bitwise_equal, call_named, directions, first_difference, snapshot
+from .result import exception_summary, fmt_index, result
 from .tolerance import K_DEFAULT, compare_outputs
 
 POISON_BYTES = 256 << 20  # per block; a poisoning round fills at most 4x this
 
 
 def _cuda_ok(backend) -> bool:
-    import torch
-
     return str(getattr(backend, "device", "cpu")).startswith("cuda") and torch.cuda.is_available()
 
 
 def _cached_free_blocks(dev) -> list[int]:
     """Sizes of the CUDA caching allocator's free (inactive) blocks on ``dev``, largest first."""
-    import torch
-
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     sizes = []
     try:
@@ -48,8 +45,6 @@ def poison_allocator(device, sizes_bytes) -> None:
     The caching allocator hands freed blocks out again without clearing them (``empty_cache`` only returns
     whole unused segments to the driver), so the kernel's next allocations start full of NaN.
     """
-    import torch
-
     dev = torch.device(device)
     sizes = [int(s) for s in sizes_bytes if s]
     if dev.type == "cuda":
@@ -67,28 +62,14 @@ def poison_allocator(device, sizes_bytes) -> None:
 
 
 def _poison_outputs(outs: dict) -> None:
-    import torch
-
     for v in outs.values():
         if v is not None and v.dtype.is_floating_point:
             with torch.no_grad():
                 v.fill_(math.nan)
 
 
-def _snapshot(outs: dict) -> dict:
-    return {k: (None if v is None else v.detach().clone()) for k, v in outs.items()}
-
-
-def _run(backend, t: dict, which: str) -> dict:
-    if which == "backward":
-        return dict(zip(BACKWARD_OUTPUTS, call_backward(backend, t)))
-    return dict(zip(FORWARD_OUTPUTS, call_forward(backend, t)))
-
-
 def _busy_kernel(device):
     """Start unrelated work on a side stream; returns the stream (GPU only)."""
-    import torch
-
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):  # allocated on the side stream, so its blocks stay tied to that stream
@@ -101,16 +82,14 @@ def _busy_kernel(device):
 
 def _call(backend, t, which, mode: str):
     """One call in a given environment: "plain", "side_stream" or "concurrent"."""
-    import torch
-
     if mode == "plain":
-        return _run(backend, t, which)
+        return call_named(backend, which, t)
     dev = torch.device(backend.device)
     if mode == "side_stream":
         s = torch.cuda.Stream(device=dev)
         s.wait_stream(torch.cuda.current_stream(dev))  # inputs were made on the default stream
         with torch.cuda.stream(s):
-            outs = _run(backend, t, which)
+            outs = call_named(backend, which, t)
         torch.cuda.current_stream(dev).wait_stream(s)
         for v in outs.values():
             if v is not None:
@@ -119,7 +98,7 @@ def _call(backend, t, which, mode: str):
         return outs
     if mode == "concurrent":
         side = _busy_kernel(dev)
-        outs = _run(backend, t, which)
+        outs = call_named(backend, which, t)
         side.synchronize()
         torch.cuda.synchronize(dev)
         return outs
@@ -139,8 +118,6 @@ def _modes(backend, repeats: int, hostile: bool) -> tuple[list[str], list[str]]:
 
 
 def _rel_l2(a, b) -> float:
-    import torch
-
     a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
     fin = torch.isfinite(a64) & torch.isfinite(b64)
     den = float(torch.linalg.vector_norm(torch.where(fin, b64, 0.0)))
@@ -162,12 +139,11 @@ def check_determinism(backend, case, *, repeats: int = 4, hostile: bool = True, 
     if skipped:
         notes["skipped"] = [f"{s} (needs a CUDA backend and GPU)" for s in skipped]
     problems, per_tensor, worst, drift = [], {}, 0.0, {}
-    whichs = ["backward"] + (["forward"] if has_forward(backend) else [])
-    for which in whichs:
+    for which in directions(backend):
         try:
             t = backend_inputs(backend, case)
-            first = _run(backend, t, which)
-            base = _snapshot(first)
+            first = call_named(backend, which, t)
+            base = snapshot(first)
             runs = []
             for mode in modes:
                 if hostile:
@@ -176,7 +152,7 @@ def check_determinism(backend, case, *, repeats: int = 4, hostile: bool = True, 
                     _poison_outputs(first)
                     poison_allocator(getattr(backend, "device", "cpu"), sizes)
                 first = _call(backend, t, which, mode)
-                runs.append((mode, _snapshot(first)))
+                runs.append((mode, snapshot(first)))
         except Exception as exc:
             problems.append(f"{which} raised {exception_summary(exc)}")
             worst = math.inf
@@ -197,7 +173,7 @@ def check_determinism(backend, case, *, repeats: int = 4, hostile: bool = True, 
                     problems.append(f"{name}: call {i} ({mode}) returned {_desc(v)}, call 1 {_desc(b0)}")
                 else:
                     idx = first_difference(v, b0)
-                    n = int(_bits_ne(v, b0).sum())
+                    n = int(bits_differ(v, b0).sum())
                     problems.append(
                         f"{name}: call {i} ({mode}) differs bitwise from call 1 at {n} / {v.numel()} "
                         f"elements (backend claims determinism)\n"
@@ -207,7 +183,7 @@ def check_determinism(backend, case, *, repeats: int = 4, hostile: bool = True, 
                 per_tensor[name] = {"error": drift.get(name, 0.0), "allowed": 0.0, "bitwise_equal": equal,
                                     "ratio": 0.0 if equal else math.inf}
         if not claims:  # every run must pass the tolerance model
-            names = BACKWARD_OUTPUTS if which == "backward" else FORWARD_OUTPUTS
+            names = OUTPUTS[which]
             for i, outs in enumerate([base] + [r for _, r in runs], start=1):
                 pt, probs, w = compare_outputs(names, outs, case, k=k, device=getattr(backend, "device", None),
                                                sink_given=(t["attn_sink"] is not None) if which == "backward"
@@ -220,10 +196,6 @@ def check_determinism(backend, case, *, repeats: int = 4, hostile: bool = True, 
     notes["drift"] = drift  # max relative L2 between call 1 and any later call, per tensor
     return result(check, backend, case, problems, ratio=worst if problems or not claims else 0.0,
                   per_tensor=per_tensor, notes=notes)
-
-
-def _bits_ne(a, b):
-    return bits(a).cpu() != bits(b).cpu()
 
 
 def _desc(v) -> str:

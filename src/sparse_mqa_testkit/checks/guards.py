@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import torch
+
 from .. import contract
-from .inputs import (BACKWARD_OUTPUTS, FORWARD_OUTPUTS, backend_inputs, bits, bitwise_equal, call_backward,
-                     call_forward, first_difference, has_forward)
-from .report import exception_summary, fmt_index, result
+from .inputs import (OUTPUTS, backend_inputs, bits_differ, bitwise_equal, call_named, directions, first_difference,
+                     snapshot)
+from .result import exception_summary, fmt_index, result
 from .tolerance import K_DEFAULT, compare_outputs
 
 
 def unreferenced_rows(case):
     """Boolean [B, Skv] NumPy mask of KV rows that no valid slot of ``case`` references."""
-    import numpy as np
-
     x = case.inputs()
     valid = contract.valid_mask(x["indices"], case.Skv, x["topk_length"])
     used = np.zeros((case.B, case.Skv), dtype=bool)
@@ -33,16 +34,6 @@ def unreferenced_rows(case):
 def other_case(case):
     """Same shapes and modes, other tensors: the earlier call whose leftovers a stale output would show."""
     return case.replace(seed=(case.seed + 1) % (2**32))
-
-
-def _run(backend, t, which) -> dict:
-    if which == "backward":
-        return dict(zip(BACKWARD_OUTPUTS, call_backward(backend, t)))
-    return dict(zip(FORWARD_OUTPUTS, call_forward(backend, t)))
-
-
-def _snap(outs):
-    return {k: (None if v is None else v.detach().clone()) for k, v in outs.items()}
 
 
 def _same(label, got: dict, ref: dict, claims: bool, case, backend, which, k, t) -> tuple[list[str], dict, float]:
@@ -61,21 +52,18 @@ def _same(label, got: dict, ref: dict, claims: bool, case, backend, which, k, t)
                              f"clean run {None if r is None else tuple(r.shape)}")
                 continue
             idx = first_difference(g, r)
-            n = int((bits(g).cpu() != bits(r).cpu()).sum())
+            n = int(bits_differ(g, r).sum())
             probs.append(f"{name}: {label}: differs from the clean run at {n} / {g.numel()} elements\n"
                          f"  first at index {fmt_index(idx)}: got {float(g[idx]):.6g}, clean run "
                          f"{float(r[idx]):.6g}")
         return probs, pt, math.inf if probs else 0.0
-    names = BACKWARD_OUTPUTS if which == "backward" else FORWARD_OUTPUTS
-    pt, probs, worst = compare_outputs(names, got, case, k=k, device=getattr(backend, "device", None),
+    pt, probs, worst = compare_outputs(OUTPUTS[which], got, case, k=k, device=getattr(backend, "device", None),
                                        sink_given=(t["attn_sink"] is not None) if which == "backward" else None)
     return [f"{label}: {p}" for p in probs], pt, worst
 
 
 def check_guards(backend, case, *, k: float = K_DEFAULT):
     """Poisoned unreferenced KV rows change nothing; every output element is written on every call."""
-    import torch
-
     check = "guards"
     claims = bool(getattr(backend, "deterministic", False))
     unref = unreferenced_rows(case)
@@ -83,25 +71,23 @@ def check_guards(backend, case, *, k: float = K_DEFAULT):
     if not unref.any():
         notes["poison"] = "every KV row is referenced: nothing to poison in this case"
     problems, per_tensor, worst = [], {}, 0.0
-    whichs = ["backward"] + (["forward"] if has_forward(backend) else [])
-    for which in whichs:
+    for which in directions(backend):
         try:
             t = backend_inputs(backend, case)
-            clean = _snap(_run(backend, t, which))
+            clean = snapshot(call_named(backend, which, t))
             # 1. poisoned unreferenced rows
             if unref.any():
                 tp = dict(t)
                 kv = t["kv"].clone()
                 kv[torch.from_numpy(unref).to(kv.device)] = math.nan
                 tp["kv"] = kv
-                probs, pt, w = _same("with unreferenced KV rows set to NaN", _snap(_run(backend, tp, which)),
+                probs, pt, w = _same("with unreferenced KV rows set to NaN", snapshot(call_named(backend, which, tp)),
                                      clean, claims, case, backend, which, k, t)
                 problems += [f"{which} {p}" for p in probs]
                 per_tensor.update({f"poison.{n}": e for n, e in pt.items()})
                 worst = max(worst, w)
             # 2a. no NaN / inf where the oracle has none (the clean run against the oracle's positions)
-            names = BACKWARD_OUTPUTS if which == "backward" else FORWARD_OUTPUTS
-            pt, probs, _ = compare_outputs(names, clean, case, k=math.inf, device=getattr(backend, "device", None),
+            pt, probs, _ = compare_outputs(OUTPUTS[which], clean, case, k=math.inf, device=getattr(backend, "device", None),
                                            sink_given=(t["attn_sink"] is not None) if which == "backward"
                                            else None)
             nonfinite = [p for p in probs if "positions differ" in p or "shape" in p or "dtype" in p]
@@ -110,8 +96,8 @@ def check_guards(backend, case, *, k: float = K_DEFAULT):
                 worst = math.inf
             # 2b. stale values: other inputs of the same shapes first, then this case again
             t_other = backend_inputs(backend, other_case(case))
-            _run(backend, t_other, which)
-            again = _snap(_run(backend, t, which))
+            call_named(backend, which, t_other)
+            again = snapshot(call_named(backend, which, t))
             probs, pt, w = _same("after a call with other inputs of the same shapes", again, clean, claims, case,
                                  backend, which, k, t)
             problems += [f"{which} {p}" for p in probs]

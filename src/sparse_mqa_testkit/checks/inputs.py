@@ -1,4 +1,4 @@
-"""Inputs a check feeds a backend, the oracle results it compares with, and small tensor helpers.
+"""What a check feeds a backend and compares with: inputs, oracle results, calls, and bitwise helpers.
 
 The oracle runs once per case (cached): float64 is the truth, float32 rounded to each output's kernel dtype is
 the bf16-output oracle whose error sets the tolerance.
@@ -9,6 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
+import torch
 
 from .. import oracle
 from ..oracle.bf16 import round_bf16
@@ -16,6 +17,7 @@ from ..torch_io import case_tensors, to_torch
 
 BACKWARD_OUTPUTS = ("dq", "dkv", "d_sink")
 FORWARD_OUTPUTS = ("out", "lse")
+OUTPUTS = {"backward": BACKWARD_OUTPUTS, "forward": FORWARD_OUTPUTS}
 
 
 def _frozen(a):
@@ -41,46 +43,51 @@ def oracle_results(case) -> dict:
     return res
 
 
-def backend_inputs(backend, case, *, use_backend_forward: bool = False) -> dict:
-    """Torch inputs for ``backend.backward`` on ``backend.device``.
+def backend_inputs(backend, case) -> dict:
+    """Torch inputs for ``backend.backward`` (and ``forward``) on ``backend.device``.
 
     Keys: q, kv, out, grad_out, lse, attn_sink, indices, topk_length (tensors or None), sm_scale, d_v.
     out and lse come from the float64 oracle forward, rounded to what a forward returns (out bfloat16, lse
-    float32, natural log, sink excluded); with ``use_backend_forward`` they come from ``backend.forward``.
+    float32, natural log, sink excluded).
     """
-    import torch
-
     dev = getattr(backend, "device", "cpu")
     t = case_tensors(case, dev)
-    if use_backend_forward:
-        out, lse = call_forward(backend, t)
-    else:
-        f64 = oracle_results(case)["f64"]
-        out = to_torch(round_bf16(f64["out"]), dev)
-        lse = to_torch(f64["lse"].astype(np.float32), dev)
-        assert out.dtype == torch.bfloat16
-    t["out"], t["lse"] = out, lse
+    f64 = oracle_results(case)["f64"]
+    t["out"] = to_torch(round_bf16(f64["out"]), dev)
+    t["lse"] = to_torch(f64["lse"].astype(np.float32), dev)
     return t
-
-
-def call_backward(backend, t: dict):
-    return backend.backward(t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"],
-                            t["sm_scale"], topk_length=t["topk_length"])
-
-
-def call_forward(backend, t: dict):
-    return backend.forward(t["q"], t["kv"], t["indices"], t["sm_scale"], t["d_v"], attn_sink=t["attn_sink"],
-                           topk_length=t["topk_length"])
 
 
 def has_forward(backend) -> bool:
     return callable(getattr(backend, "forward", None))
 
 
+def directions(backend) -> list[str]:
+    """What a backend can be called for: its backward, and its forward when it has one."""
+    return ["backward"] + (["forward"] if has_forward(backend) else [])
+
+
+def call(backend, which: str, t: dict):
+    """One call of ``backend.backward`` or ``backend.forward`` on the argument dict ``t``, as it returned."""
+    if which == "backward":
+        return backend.backward(t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"],
+                                t["sm_scale"], topk_length=t["topk_length"])
+    return backend.forward(t["q"], t["kv"], t["indices"], t["sm_scale"], t["d_v"], attn_sink=t["attn_sink"],
+                           topk_length=t["topk_length"])
+
+
+def call_named(backend, which: str, t: dict) -> dict:
+    """``call``'s results by output name (dq, dkv, d_sink or out, lse)."""
+    return dict(zip(OUTPUTS[which], call(backend, which, t)))
+
+
+def snapshot(outs: dict) -> dict:
+    """Detached copies of named results, safe from a backend that reuses its output buffers."""
+    return {k: (None if v is None else v.detach().clone()) for k, v in outs.items()}
+
+
 def as_f64(x):
     """A tensor or array as a float64 CPU torch tensor (bf16 widens exactly)."""
-    import torch
-
     if isinstance(x, np.ndarray):
         return torch.from_numpy(np.array(x, dtype=np.float64))  # a writable copy
     return x.detach().to("cpu", torch.float64)
@@ -90,32 +97,31 @@ def clone_tensors(t: dict) -> dict:
     return {k: (v.clone() if hasattr(v, "clone") else v) for k, v in t.items()}
 
 
-_INT_VIEW = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bits(x):
     """A tensor's raw bits as an integer tensor: NaN-aware bitwise comparison (NaN payloads included)."""
-    import torch
-
     if x.dtype.is_floating_point:
-        return x.detach().contiguous().view(getattr(torch, _INT_VIEW[x.element_size()]))
+        return x.detach().contiguous().view(_INT_VIEW[x.element_size()])
     return x.detach()
 
 
 def bitwise_equal(a, b) -> bool:
     """Same shape, dtype and bits (NaN equals NaN with the same payload)."""
-    import torch
-
     if a is None or b is None:
         return a is None and b is None
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a).cpu(), bits(b).cpu())
 
 
+def bits_differ(a, b):
+    """Boolean tensor (CPU): where the bits of two same-shaped tensors differ."""
+    return bits(a).cpu() != bits(b).cpu()
+
+
 def first_difference(a, b):
     """Index of the first element whose bits differ, or None."""
-    import torch
-
-    diff = (bits(a).cpu() != bits(b).cpu())
+    diff = bits_differ(a, b)
     if not bool(diff.any()):
         return None
     return tuple(int(i) for i in torch.nonzero(diff)[0])

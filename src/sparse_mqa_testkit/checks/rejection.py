@@ -12,8 +12,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .inputs import backend_inputs, bitwise_equal, call_backward, call_forward, clone_tensors, has_forward
-from .report import exception_summary, result
+import torch
+
+from .inputs import backend_inputs, bitwise_equal, call, clone_tensors, directions
+from .result import exception_summary, result
 
 TENSOR_ARGS = ("q", "kv", "out", "grad_out", "lse", "attn_sink", "indices", "topk_length")
 BACKWARD_ARGS = TENSOR_ARGS
@@ -55,8 +57,6 @@ def _with(arg: str, fn) -> Callable[[dict], dict]:
 
 
 def _dtype(arg: str, dtype_name: str):
-    import torch
-
     dt = getattr(torch, dtype_name)
 
     def make(valid):
@@ -70,8 +70,6 @@ def _dtype(arg: str, dtype_name: str):
 
 def _default(arg: str, valid: dict):
     """A valid value for an optional argument the case leaves out."""
-    import torch
-
     q = valid["q"]
     if arg == "attn_sink":
         return torch.zeros(q.shape[2], dtype=torch.float32, device=q.device)
@@ -90,8 +88,6 @@ def _unsqueeze(arg):
 
 def _grow(arg: str, dim: int):
     """One more element along ``dim``: a wrong size that only this argument's check can see."""
-    import torch
-
     def make(valid):
         x = valid[arg] if valid[arg] is not None else _default(arg, valid)
         pad = list(x.shape)
@@ -107,8 +103,6 @@ _SHAPE_DIM = {"q": 3, "kv": 2, "out": 2, "grad_out": 2, "lse": 2, "attn_sink": 0
 
 
 def _dv_gt_dqk(valid: dict) -> dict:
-    import torch
-
     bad = dict(valid)
     q = valid["q"]
     shape = tuple(q.shape[:3]) + (q.shape[3] + 1,)
@@ -177,10 +171,6 @@ def error_inputs(case) -> list[ErrorInput]:
     return entries
 
 
-def _call(backend, which: str, args: dict):
-    return call_backward(backend, args) if which == "backward" else call_forward(backend, args)
-
-
 def _unchanged(before: dict, after: dict) -> list[str]:
     changed = []
     for k, v in before.items():
@@ -192,7 +182,7 @@ def _unchanged(before: dict, after: dict) -> list[str]:
 def _try(backend, which, args, exc_type, match) -> str | None:
     """None when the call raised as required, else what went wrong."""
     try:
-        _call(backend, which, args)
+        call(backend, which, args)
     except exc_type as exc:
         if match and not re.search(match, str(exc)):
             return f"raised {type(exc).__name__} but its message does not match /{match}/: {str(exc)!r}"
@@ -204,14 +194,13 @@ def _try(backend, which, args, exc_type, match) -> str | None:
 
 def check_rejection(backend, case):
     """Every registry entry raises as declared; out-of-domain cases are refused; inputs stay untouched."""
-    import torch
-
     check = "rejection"
     problems, per_tensor, notes = [], {}, {"skipped": [], "entries": 0}
     reason = backend.supports(case) if callable(getattr(backend, "supports", None)) else None
-    whichs = ["backward"] + (["forward"] if has_forward(backend) else [])
+    whichs = directions(backend)
     try:
-        valid = backend_inputs(backend, case) if reason is None else _raw_inputs(backend, case)
+        # the oracle takes any sizes, so out and lse exist for an outside-domain case too
+        valid = backend_inputs(backend, case)
     except Exception as exc:
         return result(check, backend, case, [f"building inputs raised {exception_summary(exc)}"],
                       ratio=math.inf, per_tensor={})
@@ -231,7 +220,7 @@ def check_rejection(backend, case):
     for which in whichs:
         before = clone_tensors(valid)
         try:
-            _call(backend, which, valid)
+            call(backend, which, valid)
         except Exception as exc:
             problems.append(f"valid {which} call raised {exception_summary(exc)}")
         changed = _unchanged(before, valid)
@@ -258,7 +247,3 @@ def check_rejection(backend, case):
     return result(check, backend, case, problems, ratio=math.inf if problems else 0.0, per_tensor=per_tensor,
                   notes=notes)
 
-
-def _raw_inputs(backend, case) -> dict:
-    """Inputs for an outside-domain case: oracle out / lse are still computable (the oracle takes any sizes)."""
-    return backend_inputs(backend, case)

@@ -124,10 +124,8 @@ def _softmax(c: _Call, s):
     else:
         with np.errstate(invalid="ignore"):
             denom = np.logaddexp(lse, c.sink)  # inf + inf -> inf; -inf sink -> lse exactly
-            p_sink = np.exp(c.sink - denom)
         # sink +inf: all mass on the sink (p_sink 1, P 0); empty row with finite sink: no mass, no gradient
-        p_sink = np.where(np.isposinf(c.sink), t(1), p_sink)
-        p_sink = np.where(np.isposinf(lse) & ~np.isposinf(c.sink), t(0), p_sink).astype(c.dtype)
+        p_sink = contract.sink_probability(lse, c.sink).astype(c.dtype, copy=False)
     P = np.exp(s - denom[..., None]).astype(c.dtype, copy=False)  # -inf minus finite or +inf -> exactly 0
     return P, lse, p_sink
 

@@ -1,10 +1,10 @@
-"""Paddle frontend: paddle tensors in and out of any backend, and a ``paddle.autograd.PyLayer`` entry point.
+"""Paddle frontend: paddle tensors in and out of any backend, and the checks on a backend that speaks paddle.
 
 Importing this package does not import paddle; each function imports it when called. Install the CPU build
 with ``pip install "sparse-mqa-testkit[paddle]"``.
 """
 
-import importlib
+from ..lazy import lazy_exports
 
 _LAZY = {
     "to_torch": "sparse_mqa_testkit.paddle.frontend",
@@ -17,13 +17,8 @@ _LAZY = {
     "through_paddle": "sparse_mqa_testkit.paddle.backend",
     "TorchFacing": "sparse_mqa_testkit.paddle.backend",
     "import_paddle": "sparse_mqa_testkit.paddle.frontend",
-    "sparse_mqa_attention": "sparse_mqa_testkit.paddle.autograd",
 }
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

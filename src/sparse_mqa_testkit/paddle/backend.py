@@ -14,15 +14,13 @@ crosses the Paddle frontend both ways, as real ``paddle.Tensor`` objects validat
 
 from __future__ import annotations
 
-from ..backends.registry import get_backend
+import torch
+
+from ..backends.registry import resolve_backend
 from ..backends.validate import check_backward_args, check_forward_args
 from .frontend import is_paddle_tensor, stream_scope, to_paddle, to_torch
 
 _BACKWARD_ARGS = ("q", "kv", "out", "grad_out", "lse", "attn_sink", "indices")
-
-
-def _resolve(backend):
-    return get_backend(backend) if isinstance(backend, str) else backend
 
 
 def _require_paddle(**tensors) -> None:
@@ -35,7 +33,7 @@ class _Delegating:
     """name / device / deterministic / tiles / dims / supports of the wrapped backend."""
 
     def __init__(self, backend, label: str):
-        self.inner = _resolve(backend)
+        self.inner = resolve_backend(backend)
         self.name = f"{label}[{self.inner.name}]"
         if not callable(getattr(self.inner, "forward", None)):
             self.forward = None  # the protocol's forward is optional: no forward here either
@@ -87,8 +85,6 @@ class PaddleBackend(_Delegating):
 
 def _torch_to_paddle(name, x):
     """Tensors cross to paddle; anything else (None, a number, a wrong type) goes on as is to be judged."""
-    import torch
-
     return to_paddle(x, name) if isinstance(x, torch.Tensor) else x
 
 
@@ -118,7 +114,7 @@ class TorchFacing(_Delegating):
 def through_paddle(backend="reference") -> TorchFacing:
     """A torch backend (object or registered name) seen from torch with every call routed through paddle
     tensors: ``TorchFacing(PaddleBackend(backend))``."""
-    inner = _resolve(backend)
+    inner = resolve_backend(backend)
     facing = TorchFacing(PaddleBackend(inner))
     facing.name = f"through-paddle[{inner.name}]"
     return facing

@@ -24,6 +24,7 @@ import contextlib
 import warnings
 
 import numpy as np
+import torch
 
 
 def import_paddle():
@@ -49,8 +50,6 @@ def to_torch(x, name: str = "tensor"):
 
     The autograd link is cut (``detach``): gradients are the business of ``sparse_mqa_testkit.paddle.autograd``.
     """
-    import torch
-
     if x is None:
         return None
     if not is_paddle_tensor(x):
@@ -63,8 +62,6 @@ def to_torch(x, name: str = "tensor"):
 
 def to_paddle(t, name: str = "tensor"):
     """A torch tensor as a paddle tensor sharing its memory (DLPack); None stays None."""
-    import torch
-
     paddle = import_paddle()
     if t is None:
         return None
@@ -122,7 +119,6 @@ def stream_scope(x):
     if x is None or not x.place.is_gpu_place():
         yield
         return
-    import torch
 
     paddle = import_paddle()
 

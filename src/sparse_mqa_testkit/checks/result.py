@@ -9,8 +9,6 @@ from __future__ import annotations
 import traceback
 from dataclasses import dataclass, field
 
-CHECKS = ("tolerance", "forward_tolerance", "determinism", "rejection", "guards")
-
 # ratio of a failure that has no measure (wrong shape, crash, bits differ, not rejected): large but finite,
 # so a search can still use ratio as ``hypothesis.target`` (which refuses inf and NaN)
 FAILED_RATIO = 1e9

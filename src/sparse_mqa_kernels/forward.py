@@ -1,4 +1,4 @@
-"""Sparse-MLA forward on Hopper (TileLang, sm_90a): the contract's out and lse, with sinks and topk_length.
+"""Sparse-MQA forward on Hopper (TileLang, sm_90a): the contract's out and lse, with sinks and topk_length.
 
 One block serves one query row and a group of ``fwd_plan.HEAD_BLOCK`` heads; it walks the row's top-k slots
 in tiles of ``TOPK_TILE`` KV rows, double buffered, with three warpgroups:
@@ -20,11 +20,12 @@ compiled variant per ``fwd_plan.VariantKey`` serves every size.
 import functools
 import math
 
-from .. import contract
-from ..backends.validate import check_forward_args
-from . import fwd_plan
+import torch
+from sparse_mqa_testkit import contract
+from sparse_mqa_testkit.backends.validate import check_forward_args
 
-TARGET = {"kind": "cuda", "arch": "sm_90a"}
+from . import fwd_plan
+from .target import TARGET
 
 _V_HALF = 256  # each consumer owns Dv / 2 = 256 output columns
 
@@ -65,7 +66,7 @@ def build_program(key: fwd_plan.VariantKey):
     log2e = contract.LOG2E
 
     @T.prim_func
-    def sparse_mla_fwd(
+    def sparse_mqa_fwd(
         Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
         KV: T.Tensor([batch, seq_kv, dqk], bf16),
         Indices: T.Tensor([batch, seq_len, topk], i32),
@@ -255,7 +256,7 @@ def build_program(key: fwd_plan.VariantKey):
                         T.cp_async_barrier_noinc(bar_k_ready[st])
                         T.barrier_arrive(bar_k_ready[st])
 
-    return sparse_mla_fwd
+    return sparse_mqa_fwd
 
 
 @functools.lru_cache(maxsize=None)
@@ -286,21 +287,17 @@ def precompile() -> list[str]:
 @functools.lru_cache(maxsize=None)
 def _placeholder(kind: str, device: str):
     """A one-element stand-in for an absent sink or topk_length (the variant never reads it)."""
-    import torch
-
     dtype = torch.float32 if kind == "sink" else torch.int32
     return torch.zeros(1, dtype=dtype, device=device)
 
 
-def sparse_mla_forward(q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
+def sparse_mqa_forward(q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
     """Contract forward on the GPU: ``(out bf16 [B,S,H,Dv], lse fp32 [B,S,H])``, lse natural-log, sink excluded.
 
     Arguments are validated (shapes, kernel dtypes, device, supported dims) before any GPU work.
     """
-    import torch
-
     dims = check_forward_args(q, kv, indices, sm_scale, d_v, attn_sink=attn_sink, topk_length=topk_length,
-                              supported_dims=contract.KERNEL_DIMS, device_type="cuda")
+                              supported_dims=contract.PRODUCTION_DIMS, device_type="cuda")
     plan = fwd_plan.plan_forward(dims, has_sink=attn_sink is not None, has_topk_length=topk_length is not None)
     kernel = compiled(plan.key)
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()

@@ -1,4 +1,4 @@
-"""Warp-specialised kernel body of the deterministic backward for 64-head groups (``kernels.backward``).
+"""Warp-specialised kernel body of the deterministic backward for 64-head groups (``backward``).
 
 Same algorithm, plan, fixed point and int64 bulk reductions as the single-role kernel in ``backward``; what
 changes is who does what, so that the KV gather, the tensor-core products and the bulk reductions overlap
@@ -13,12 +13,12 @@ dkv is computed transposed, dkv^T = Q^T dS + dO^T P, so that its products run on
 as M (a 16-slot block as M only fits mma.sync, which was ~2x slower here).
 
 Each consumer rounds its own dkv columns to int64 and sends them with ``cp.reduce.async.bulk .add.u64`` from
-its own staging ring (``stage_rows`` rows x ``stage_bufs`` buffers), synchronising only its own 128 threads.
-It waits for the TMA engine only before rewriting a buffer whose last reduction is still reading it, and
-``defer`` moves a block's last rounds into the next block's products (the first while the next scores run,
-the second after the next dq product), so the engine reads one round while the consumer computes instead of
-the consumer waiting for it right after its dkv product. Staging rows are padded so a warp's int64 stores
-spread over all shared-memory banks (unpadded, their conflicts made the kernel 15% slower).
+its own staging ring (``STAGE_ROWS`` rows x ``STAGE_BUFS`` buffers), synchronising only its own 128 threads.
+It waits for the TMA engine only before rewriting a buffer whose last reduction is still reading it, and the
+last ``DEFER`` rounds of a block go out during the next block's products (the first while the next scores
+run, the second after the next dq product), so the engine reads one round while the consumer computes instead
+of the consumer waiting for it right after its dkv product. Staging rows are padded so a warp's int64 stores
+spread over all shared-memory banks.
 
 The roles hand work over with mbarriers: k_ready / k_free for the KV ring (producer <-> both consumers),
 p (consumer 0's P is in shared memory), ds (consumer 1's dS is), pds_free (both are done reading this block's
@@ -28,7 +28,7 @@ single-role body, so both give the same bits (tests/gpu/test_backward_gpu.py che
 
 # No ``from __future__ import annotations``: TileLang evaluates the kernel's parameter annotations.
 
-from .. import contract
+from sparse_mqa_testkit import contract
 
 THREADS = 384
 STAGES = 2  # KV ring depth
@@ -40,18 +40,15 @@ assert sum(NREG) == 3 * 168
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90
 # named barriers of one consumer's 128 threads (ids TileLang's own partial syncs do not take)
 _WG_BARRIER = (14, 15)
+STAGE_ROWS, STAGE_BUFS = 8, 1  # per consumer: KV rows per staging round x buffers (fewer, larger rounds win)
+DEFER = 2  # a block's last staging rounds sent during the next block's products
 
 
-def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int, defer: int):
-    """TileLang prim_func for variant (Dqk, Dv, 64, topk_block); same signature as ``backward.build_program``.
-
-    ``defer``: how many of a block's last staging rounds are sent during the next block's products (the last
-    one after the next block's dq product, the others after its scores are issued) instead of right after this
-    block's dkv product.
-    """
+def build_program(key, prelude: str):
+    """TileLang prim_func for a 64-head ``bwd_plan.VariantKey``; the same arguments as the single-role body's."""
     import tilelang.language as T
 
-    dqk, dv, HG, BI = variant
+    dqk, dv, HG, BI = key.dqk, key.dv, key.head_group, key.topk_block
     assert HG == 64, "the warp-specialised kernel serves 64-head groups"
     D = dv
     C0 = D // 2  # consumer 0 owns V columns [0, C0), consumer 1 [C0, D)
@@ -59,14 +56,12 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
     # staged int64 per row: [0, C0), the tail (consumer 1's), and 2 of padding: consecutive rows then start 16
     # bytes apart modulo the 128 bytes of the banks, and the 4 rows one store of a warp touches do not collide
     W0 = C0 + tail + 2
-    R, NBUF = stage_rows, stage_bufs
+    R, NBUF = STAGE_ROWS, STAGE_BUFS
     assert BI % R == 0 and BI % 16 == 0
     NR = BI // R  # staging rounds per top-k block
     smem = (HG * dqk + HG * D + STAGES * BI * dqk + 2 * HG * BI) * 2 + (STAGES * BI + HG * BI) * 4 \
         + 2 * NBUF * R * W0 * 8
-    if smem > SMEM_LIMIT:
-        raise ValueError(f"stage_rows x stage_bufs = {R} x {NBUF} needs {smem} bytes of shared memory with "
-                         f"the other tiles, over the {SMEM_LIMIT} an sm_90 block may use: lower either")
+    assert smem <= SMEM_LIMIT, f"{smem} bytes of shared memory, over the {SMEM_LIMIT} an sm_90 block may use"
     ROWS_PER_PASS = 16  # producer: 8 threads per KV row
     assert BI % ROWS_PER_PASS == 0
     PASSES = BI // ROWS_PER_PASS
@@ -80,8 +75,7 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
     bf16, f32, i32, i64 = T.bfloat16, T.float32, T.int32, T.int64
     log2e = contract.LOG2E
 
-    if isinstance(defer, bool) or not isinstance(defer, int) or not 0 <= defer <= NR:
-        raise ValueError(f"defer must be in [0, {NR}] (staging rounds per top-k block), got {defer!r}")
+    defer = min(DEFER, NR)
     early = list(range(NR - defer))  # rounds sent right after the block's dkv product
     late = list(range(NR - defer, NR))
     late_a, late_b = late[:-1], late[-1:]  # ... after the next block's scores are issued / its dq product
@@ -93,7 +87,7 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
         lane = tx - 128 * c
         if lane < R:
             # the group that last read this buffer, NBUF rounds ago, has finished reading
-            T.call_extern("handle", f"smqa_bulk_wait_read_n<{NBUF - 1}>")
+            T.call_extern("handle", f"sparse_mqa_bulk_wait_read_n<{NBUF - 1}>")
         T.sync_threads(_WG_BARRIER[c], 128)
         # the accumulator is dkv^T (columns x slots): slot j of round r goes to staging row j % R
         for d, j in T.Parallel(C0, BI):
@@ -107,16 +101,16 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
         T.sync_threads(_WG_BARRIER[c], 128)
         if lane < R:
             if row_idx[r] >= 0:
-                T.call_extern("handle", "smqa_bulk_add_u64", T.address_of(stage[c, buf, lane, 0]),
+                T.call_extern("handle", "sparse_mqa_bulk_add_u64", T.address_of(stage[c, buf, lane, 0]),
                               T.address_of(Acc[b_i, row_idx[r], c * C0]), C0 * 8)
                 if c == 1 and tail > 0:
-                    T.call_extern("handle", "smqa_bulk_add_u64", T.address_of(stage[1, buf, lane, C0]),
+                    T.call_extern("handle", "sparse_mqa_bulk_add_u64", T.address_of(stage[1, buf, lane, C0]),
                                   T.address_of(Acc[b_i, row_idx[r], D]), tail * 8)
             # no wait here: this round's reads overlap what the consumer does next
-            T.call_extern("handle", "smqa_bulk_commit")
+            T.call_extern("handle", "sparse_mqa_bulk_commit")
 
     @T.prim_func
-    def sparse_mla_bwd(
+    def sparse_mqa_bwd(
         Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
         KV: T.Tensor([batch, seq_kv, dqk], bf16),
         dO: T.Tensor([batch, seq_len, heads, dv], bf16),
@@ -254,7 +248,7 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                     if h0 + h < heads:
                         dQ[b_i, s_i, h0 + h, d] = T.cast(acc_dq0[h, d], bf16)
                 if tx < R:
-                    T.call_extern("handle", "smqa_bulk_wait_all")
+                    T.call_extern("handle", "sparse_mqa_bulk_wait_all")
 
             elif tx < 256:
                 # consumer 1
@@ -317,7 +311,7 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                         if h0 + h < heads:
                             dQ[b_i, s_i, h0 + h, D + d] = T.cast(acc_dqt[h, d], bf16)
                 if tx - 128 < R:
-                    T.call_extern("handle", "smqa_bulk_wait_all")
+                    T.call_extern("handle", "sparse_mqa_bulk_wait_all")
 
             else:
                 # producer: validity by the contract's rule, then gather only valid rows
@@ -346,4 +340,4 @@ def build_program(variant: tuple, prelude: str, stage_rows: int, stage_bufs: int
                     T.cp_async_barrier_noinc(bar_k_ready[st])
                     T.barrier_arrive(bar_k_ready[st])
 
-    return sparse_mla_bwd
+    return sparse_mqa_bwd

@@ -22,17 +22,14 @@ What the adapter does, and why (read from the 1.32 sources of ``cudnn.DSA.Sparse
 
 from __future__ import annotations
 
-from .. import contract
-from .base import BackendBase
-from .validate import check_backward_args
+import torch
+from sparse_mqa_testkit import contract
+from sparse_mqa_testkit.backends import BackendBase, MissingDependency
+from sparse_mqa_testkit.backends.validate import check_backward_args
 
 GPU_EXTRA_HINT = "pip install 'sparse-mqa-testkit[gpu]'"
 CUDNN_DIMS = ((576, 512), (512, 512))  # cuDNN's head_dim in {576, 512}, Dv = 512 for both
 INDEX_LIMIT = 2**31  # global kv rows are int32
-
-
-class MissingDependency(ImportError):
-    """cudnn-frontend, the CUTLASS DSL or TVM FFI is not importable; the message names the extra to install."""
 
 
 def load_dsa():
@@ -78,8 +75,6 @@ def to_cudnn_layout(q, kv, out, grad_out, lse, attn_sink, indices, topk_length=N
     when None, topk_idxs (B*S, L) int32 global rows with -1 for every invalid slot, topk_length (B*S,) or None.
     All contiguous; sizes come from the (already validated) arguments.
     """
-    import torch
-
     B, S, H, Dqk = q.shape
     Skv = kv.shape[1]
     L = indices.shape[2]
@@ -88,7 +83,7 @@ def to_cudnn_layout(q, kv, out, grad_out, lse, attn_sink, indices, topk_length=N
         idx = indices.reshape(S, L).to(torch.int32).contiguous()
     else:
         idx64 = indices.to(torch.int64)
-        valid = (idx64 >= 0) & (idx64 < Skv)
+        valid = contract.valid_mask(idx64, Skv)
         offset = (torch.arange(B, device=indices.device, dtype=torch.int64) * Skv).view(B, 1, 1)
         idx = torch.where(valid, idx64 + offset, torch.full_like(idx64, -1)).to(torch.int32).reshape(B * S, L)
     if attn_sink is None:
@@ -155,8 +150,6 @@ class CudnnBackend(BackendBase):
         return plan
 
     def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
-        import torch
-
         dims = check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
                                    topk_length=topk_length, supported_dims=self.dims)
         reason = unsupported_reason(dims)
@@ -177,14 +170,3 @@ class CudnnBackend(BackendBase):
                                        topk_length=flat["topk_length"], softmax_scale=float(sm_scale),
                                        workspace=workspace, d_sink=d_sink)
         return from_cudnn_layout(dq, dkv, d_sink, dims, attn_sink)
-
-
-_SHARED: CudnnBackend | None = None
-
-
-def cudnn_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
-    """``CudnnBackend.backward`` on one process-wide instance, so its plans are reused across calls."""
-    global _SHARED
-    if _SHARED is None:
-        _SHARED = CudnnBackend()
-    return _SHARED.backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length)

@@ -1,6 +1,6 @@
-"""``tilelang-model``: an executable NumPy model of the deterministic TileLang backward (CPU, any dims).
+"""An executable NumPy model of the deterministic TileLang backward (CPU, any dims; backend ``tilelang-model``).
 
-It runs the algorithm of ``kernels.backward`` step for step on the same ``bwd_plan``: the same head groups
+It runs the algorithm of ``backward`` step for step on the same ``bwd_plan``: the same head groups
 (padding heads carry q = dO = Delta = 0 and lse = +inf), the same top-k blocks (padded slots invalid, never
 read), the same query chunks, the same numerics where they matter for the result (fp32 scores and GEMMs on
 bf16 operands, P and dS rounded to bf16 before the dq / dkv GEMMs, as the kernel's shared-memory tiles are)
@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import contract
-from ..backends.base import BackendBase
-from ..backends.validate import check_backward_args
-from ..oracle.bf16 import round_bf16
-from ..oracle.reference import to_numpy
+from sparse_mqa_testkit import contract
+from sparse_mqa_testkit.oracle import round_bf16, to_numpy
+
 from . import bwd_plan
 
 # The model launches small chunks so that CPU cases cross query-chunk boundaries too.
@@ -27,26 +25,6 @@ MODEL_QUERY_CHUNK = 8
 
 def _f32(x):
     return np.asarray(x, dtype=np.float32)
-
-
-def kernel_lse(lse, attn_sink):
-    """Contract LSE -> the kernel's base-2, sink-folded LSE (fp32; +inf stays +inf, +inf sink gives +inf)."""
-    lse = _f32(lse)
-    if attn_sink is not None:
-        sink = _f32(attn_sink)
-        with np.errstate(invalid="ignore", over="ignore"):
-            folded = np.logaddexp(lse, sink).astype(np.float32)
-        lse = np.where(np.isposinf(lse) | np.isposinf(sink), np.float32(np.inf), folded)
-    return (lse * np.float32(contract.LOG2E)).astype(np.float32)
-
-
-def sink_probability(lse, attn_sink):
-    """p_sink per (b, i, h) with the contract's conventions (fp32)."""
-    lse, sink = _f32(lse), _f32(attn_sink)
-    with np.errstate(invalid="ignore", over="ignore"):
-        p = np.exp(sink - np.logaddexp(lse, sink)).astype(np.float32)
-    p = np.where(np.isposinf(sink), np.float32(1), p)
-    return np.where(np.isposinf(lse) & ~np.isposinf(sink), np.float32(0), p).astype(np.float32)
 
 
 def dkv_bound(q, kv, grad_out, sm_scale, d_v) -> float:
@@ -94,7 +72,7 @@ def model_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, t
 
     # preprocessing (the kernel: ``bwd_prep`` and torch, float32 too): Delta, kernel LSE, fixed-point exponent
     delta = (_f32(out) * gof).sum(-1, dtype=np.float32)  # [B, S, H]
-    lse2 = kernel_lse(lse, sink)
+    lse2 = contract.lse_to_base2(_f32(lse), None if sink is None else _f32(sink))
     F = bwd_plan.fixed_point_exponent(dkv_bound(qf, kvf, gof, sm_scale, Dv))
     to_fixed = np.float32(2.0**F)
     c_log2 = np.float32(sm_scale * contract.LOG2E)
@@ -145,37 +123,8 @@ def model_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, t
     dkv = round_bf16(from_fixed(acc, F)).astype(np.float32)
     d_sink = None
     if sink is not None:
-        ps = sink_probability(lse, sink)
+        ps = contract.sink_probability(_f32(lse), _f32(sink))
         partials = np.stack([(ps[:, c.start:c.stop] * delta[:, c.start:c.stop]).sum((0, 1), dtype=np.float32)
                              for c in plan.chunks()])
         d_sink = -partials.sum(0, dtype=np.float32)  # fixed order over chunks
     return dq, dkv, d_sink, F
-
-
-class TileLangModelBackend(BackendBase):
-    """The NumPy model of the ``tilelang`` backward, on CPU torch tensors."""
-
-    name = "tilelang-model"
-    device = "cpu"
-    deterministic = True
-    dims = None  # the algorithm takes any (Dqk, Dv); the GPU kernel is built for contract.KERNEL_DIMS
-
-    @property
-    def tiles(self) -> dict:
-        return {"head_group": bwd_plan.HEAD_GROUPS[0], "query_chunk": MODEL_QUERY_CHUNK,
-                "topk_block": min(bwd_plan.TOPK_BLOCKS.values())}
-
-    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
-        import torch
-
-        from ..torch_io import to_torch
-
-        check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length)
-        dq, dkv, d_sink, _ = model_backward(q, kv, out, grad_out, lse, attn_sink, indices, float(sm_scale),
-                                            topk_length=topk_length)
-        dev = q.device
-        return (to_torch(dq, dev, torch.bfloat16), to_torch(dkv, dev, torch.bfloat16),
-                None if d_sink is None else to_torch(d_sink, dev, torch.float32))
-
-
-__all__ = ["TileLangModelBackend", "model_backward", "kernel_lse", "sink_probability", "dkv_bound"]

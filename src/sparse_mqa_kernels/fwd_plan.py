@@ -1,4 +1,4 @@
-"""Host-side plan of the sparse-MLA forward kernel: head groups, top-k tiles, grid and the variant key.
+"""Host-side plan of the sparse-MQA forward kernel: head groups, top-k tiles, grid and the variant key.
 
 Pure Python (no TileLang, no torch), so it is tested on CPU. The kernel (``forward.py``) takes B, S, Skv, H
 and L as symbolic sizes, so a compiled variant depends only on ``variant_key``: the head dims, the head-group
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import contract
+from sparse_mqa_testkit import contract
 
 # One block serves HEAD_BLOCK heads of one query row: the 64 rows of a wgmma tile on Hopper.
 HEAD_BLOCK = 64
@@ -35,7 +35,7 @@ class VariantKey:
     has_topk_length: bool
 
     def describe(self) -> str:
-        return (f"sparse_mla_fwd Dqk{self.dqk} Dv{self.dv} heads/block{self.head_block} "
+        return (f"sparse_mqa_fwd Dqk{self.dqk} Dv{self.dv} heads/block{self.head_block} "
                 f"topk_tile{self.topk_tile} sink={self.has_sink} topk_length={self.has_topk_length}")
 
 
@@ -84,9 +84,9 @@ class FwdPlan:
 
 def variant_key(dqk: int, dv: int, *, has_sink: bool, has_topk_length: bool) -> VariantKey:
     """The compiled variant for head dims (dqk, dv); ValueError for dims the kernel is not built for."""
-    if (dqk, dv) not in contract.KERNEL_DIMS:
+    if (dqk, dv) not in contract.PRODUCTION_DIMS:
         raise ValueError(f"(Dqk, Dv) = ({dqk}, {dv}) is not supported by the forward kernel; "
-                         f"supported: {contract.KERNEL_DIMS}")
+                         f"supported: {contract.PRODUCTION_DIMS}")
     return VariantKey(dqk=int(dqk), dv=int(dv), head_block=HEAD_BLOCK, topk_tile=TOPK_TILE,
                       has_sink=bool(has_sink), has_topk_length=bool(has_topk_length))
 
@@ -106,4 +106,4 @@ def plan_forward(dims: contract.Dims, *, has_sink: bool, has_topk_length: bool) 
 def all_variants() -> list[VariantKey]:
     """Every variant ``plan_forward`` can produce (H and L are symbolic, so these cover every H and L)."""
     return [variant_key(dqk, dv, has_sink=s, has_topk_length=t)
-            for (dqk, dv) in contract.KERNEL_DIMS for s in (False, True) for t in (False, True)]
+            for (dqk, dv) in contract.PRODUCTION_DIMS for s in (False, True) for t in (False, True)]

@@ -1,6 +1,6 @@
-"""Host-side plan of the deterministic sparse-MLA backward: pure Python, no torch or TileLang import.
+"""Host-side plan of the deterministic sparse-MQA backward: pure Python, no torch or TileLang import.
 
-The kernel (``kernels.backward``) and its NumPy model (``kernels.model``) both execute exactly this plan:
+The kernel (``backward``) and its NumPy model (``backward_model``) both execute exactly this plan:
 
 head groups
     One thread block handles ``head_group`` heads of one query. ``head_group`` is the smallest of 16, 32, 64
@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sparse_mqa_testkit import contract
+
 HEAD_GROUPS = (16, 32, 64)
 # top-k slots per block, by head group: the 16-head block's [16 x slots] score tile needs 32 slots to spread
 # over its 4 warps; the larger groups take 16 (fewer registers, no spills at 64 heads)
@@ -45,6 +47,42 @@ TILES = {"head_group": 64, "query_chunk": MAX_QUERY_CHUNK, "topk_block": TOPK_BL
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class VariantKey:
+    """Everything a compiled backward kernel is specialised on (B, S, Skv, H and L are runtime sizes).
+
+    64-head groups run the warp-specialised body; 16- and 32-head groups, and ``single_role``, the single-role
+    body. Both compute the same products in the same order: the simpler body is the other's cross-check.
+    """
+
+    dqk: int
+    dv: int
+    head_group: int
+    topk_block: int
+    single_role: bool = False
+
+    @property
+    def warp_specialized(self) -> bool:
+        return self.head_group == 64 and not self.single_role
+
+    def describe(self) -> str:
+        body = "warp-specialised" if self.warp_specialized else "single-role"
+        return (f"sparse_mqa_bwd Dqk{self.dqk} Dv{self.dv} head_group{self.head_group} "
+                f"topk_block{self.topk_block} {body}")
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """What a caller may choose beyond the contract's arguments; every choice gives the same dq and dkv bits.
+
+    max_query_chunk: queries per launch (the workspace budget caps it too); single_role: run 64-head groups on
+    the single-role body as well, to compare the two bodies.
+    """
+
+    max_query_chunk: int = MAX_QUERY_CHUNK
+    single_role: bool = False
 
 
 def head_group_for(H: int) -> int:
@@ -103,10 +141,9 @@ class BwdPlan:
         """Slot ranges of the padded top-k loop; slots >= L are padding (invalid, never read)."""
         return [range(t0, t0 + self.topk_block) for t0 in range(0, self.padded_L, self.topk_block)]
 
-    @property
-    def variant(self) -> tuple:
-        """What a compiled kernel is specialised on (B, S, Skv, H are runtime values)."""
-        return (self.Dqk, self.Dv, self.head_group, self.topk_block)
+    def key(self, single_role: bool = False) -> VariantKey:
+        """The compiled kernel this plan runs (B, S, Skv, H and L are runtime values)."""
+        return VariantKey(self.Dqk, self.Dv, self.head_group, self.topk_block, single_role)
 
     def accumulator_bytes(self) -> int:
         return 8 * self.B * self.Skv * self.Dqk
@@ -125,13 +162,10 @@ def staging_bytes_per_query(B: int, H: int) -> int:
 
 
 def make_plan(B: int, S: int, Skv: int, H: int, L: int, Dqk: int, Dv: int, *,
-              workspace_budget: int = DEFAULT_WORKSPACE_BUDGET, topk_block: int | None = None,
-              max_query_chunk: int = MAX_QUERY_CHUNK) -> BwdPlan:
+              workspace_budget: int = DEFAULT_WORKSPACE_BUDGET, max_query_chunk: int = MAX_QUERY_CHUNK) -> BwdPlan:
     """The plan for one call. ``workspace_budget`` bounds the per-chunk staging (at least one query a chunk)."""
-    if topk_block is None and isinstance(H, int) and not isinstance(H, bool) and H >= 1:
-        topk_block = TOPK_BLOCKS[head_group_for(H)]
     for name, v in (("B", B), ("S", S), ("Skv", Skv), ("H", H), ("L", L), ("Dqk", Dqk), ("Dv", Dv),
-                    ("topk_block", topk_block), ("max_query_chunk", max_query_chunk)):
+                    ("max_query_chunk", max_query_chunk)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if Dv > Dqk:
@@ -142,13 +176,14 @@ def make_plan(B: int, S: int, Skv: int, H: int, L: int, Dqk: int, Dv: int, *,
     per_q = staging_bytes_per_query(B, H) + 4 * H  # staging plus, at worst, one d_sink partial per query
     room = workspace_budget - acc - 8
     chunk = max(1, min(S, max_query_chunk, room // per_q)) if room > 0 else 1
-    return BwdPlan(B=B, S=S, Skv=Skv, H=H, L=L, Dqk=Dqk, Dv=Dv, head_group=head_group_for(H),
-                   topk_block=topk_block, query_chunk=chunk)
+    head_group = head_group_for(H)
+    return BwdPlan(B=B, S=S, Skv=Skv, H=H, L=L, Dqk=Dqk, Dv=Dv, head_group=head_group,
+                   topk_block=TOPK_BLOCKS[head_group], query_chunk=chunk)
 
 
-def variants(dims=((576, 512), (512, 512))) -> list[tuple]:
-    """Every kernel variant a plan can ask for with the default tiles: (Dqk, Dv, head_group, topk_block)."""
-    return [(dqk, dv, hg, TOPK_BLOCKS[hg]) for dqk, dv in dims for hg in HEAD_GROUPS]
+def all_variants(dims=contract.PRODUCTION_DIMS) -> list[VariantKey]:
+    """Every kernel variant a plan can ask for (H and L are runtime sizes, so these cover every H and L)."""
+    return [VariantKey(dqk, dv, hg, TOPK_BLOCKS[hg]) for dqk, dv in dims for hg in HEAD_GROUPS]
 
 
 def fixed_point_exponent(bound: float) -> int:

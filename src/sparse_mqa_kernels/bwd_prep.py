@@ -1,18 +1,20 @@
 """What the deterministic backward needs before its main kernel, in one pass over q, out and dO (TileLang).
 
 Per query row and head: Delta = <out, dO> (float32 sums), and the row's term of the fixed-point bound
-``c Vmax max|q| |dO| + max|dO|`` (``bwd_plan.DS_BOUND_FACTOR``, ``model.dkv_bound``), summed over the row's
+``c Vmax max|q| |dO| + max|dO|`` (``bwd_plan.DS_BOUND_FACTOR``, ``backward_model.dkv_bound``), summed over the row's
 heads. One thread block per query row reads its rows once; the sums run in a fixed order (tree reductions,
 no atomics), so Delta and the bound are bitwise the same on every run. The host adds the per-row partial
 bounds with a torch sum on a fixed shape.
 
 Why a kernel: the same quantities as float32 torch expressions read and write q, out and dO about twelve times
-over: 3.4 ms at B1 S4096 H64 576/512 on an H200, where this pass takes 0.49 ms (BENCHMARKS.md).
+over (BENCHMARKS.md has both timings).
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the kernel's parameter annotations.
 
 import functools
+
+from .target import TARGET
 
 HEADS_PER_STEP = 4  # rows per step; each of the 128 threads holds 4 columns of each (Dv 512)
 THREADS = 128
@@ -29,7 +31,7 @@ def build_program(dqk: int, dv: int):
     bf16, f32 = T.bfloat16, T.float32
 
     @T.prim_func
-    def smqa_bwd_prep(
+    def sparse_mqa_bwd_prep(
         Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
         O: T.Tensor([batch, seq_len, heads, dv], bf16),
         dO: T.Tensor([batch, seq_len, heads, dv], bf16),
@@ -85,13 +87,11 @@ def build_program(dqk: int, dv: int):
                     total += terms[i]
                 Bound[by, bx] = total
 
-    return smqa_bwd_prep
+    return sparse_mqa_bwd_prep
 
 
 @functools.lru_cache(maxsize=None)
 def compiled(dqk: int, dv: int):
     import tilelang
-
-    from .backward import TARGET
 
     return tilelang.compile(build_program(dqk, dv), out_idx=None, target=TARGET)

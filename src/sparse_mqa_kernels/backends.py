@@ -1,0 +1,87 @@
+"""Our kernels behind the testkit's backend protocol, registered through its entry-point group (pyproject.toml)
+exactly as a user's package registers theirs:
+
+- ``tilelang``: the TileLang forward and deterministic backward (CUDA, sm_90a);
+- ``tilelang-model``: the NumPy model of that backward's algorithm (CPU, any dims), so CPU CI runs its plan
+  and fixed point end to end.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from sparse_mqa_testkit import contract
+from sparse_mqa_testkit.backends import BackendBase, MissingDependency
+from sparse_mqa_testkit.backends.validate import check_backward_args
+from sparse_mqa_testkit.torch_io import to_torch
+
+from . import bwd_plan
+from .backward_model import MODEL_QUERY_CHUNK, model_backward
+
+
+def _require_tilelang() -> None:
+    try:
+        import tilelang  # noqa: F401
+    except ImportError as exc:
+        raise MissingDependency(f"the tilelang backend needs TileLang 0.1.15, which did not import ({exc}); "
+                                "install the gpu extra: pip install 'sparse-mqa-testkit[gpu]'") from exc
+
+
+class TileLangBackend(BackendBase):
+    name = "tilelang"
+    device = "cuda"
+    deterministic = True
+    default_for = "cuda"  # the machine's default backend where CUDA is available
+    dims = contract.PRODUCTION_DIMS
+    tiles = dict(bwd_plan.TILES)
+
+    def require(self) -> None:
+        _require_tilelang()
+
+    def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
+        from .forward import sparse_mqa_forward
+
+        return sparse_mqa_forward(q, kv, indices, sm_scale, d_v, attn_sink=attn_sink, topk_length=topk_length)
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        from .backward import sparse_mqa_backward
+
+        return sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
+                                   topk_length=topk_length)
+
+    def warmup(self) -> list[str]:
+        """Compile (or load from TILELANG_CACHE_DIR) every kernel variant once, before any timed or parallel
+        test: the plugin calls this once per worker."""
+        from . import backward, forward
+
+        return forward.precompile() + backward.precompile()
+
+    def precompile(self, directory) -> list[str]:
+        """Compile every kernel variant into TileLang's cache ``directory`` (for sm_90a, without a GPU too)."""
+        if "tilelang" in sys.modules and os.environ.get("TILELANG_CACHE_DIR") != str(directory):
+            print("tilelang: warning: TileLang was imported before its cache directory was set; it may compile "
+                  "into its old cache", file=sys.stderr)
+        os.environ["TILELANG_CACHE_DIR"] = str(directory)  # read by TileLang when it is imported
+        _require_tilelang()
+        return self.warmup()
+
+
+class TileLangModelBackend(BackendBase):
+    """The NumPy model of the ``tilelang`` backward, on CPU torch tensors."""
+
+    name = "tilelang-model"
+    device = "cpu"
+    deterministic = True
+    dims = None  # the algorithm takes any (Dqk, Dv); the GPU kernel is built for contract.PRODUCTION_DIMS
+    tiles = {"head_group": bwd_plan.HEAD_GROUPS[0], "query_chunk": MODEL_QUERY_CHUNK,
+             "topk_block": min(bwd_plan.TOPK_BLOCKS.values())}
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length)
+        dq, dkv, d_sink, _ = model_backward(q, kv, out, grad_out, lse, attn_sink, indices, float(sm_scale),
+                                            topk_length=topk_length)
+        dev = q.device
+        return (to_torch(dq, dev, torch.bfloat16), to_torch(dkv, dev, torch.bfloat16),
+                None if d_sink is None else to_torch(d_sink, dev, torch.float32))

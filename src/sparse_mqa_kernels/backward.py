@@ -1,0 +1,334 @@
+"""Deterministic sparse-MQA backward on Hopper (TileLang, sm_90a): dq, dkv and d_sink, bitwise stable.
+
+Algorithm
+    One thread block serves one query row and one head group (``bwd_plan``: 16, 32 or 64 heads; padded heads
+    load q = dO = Delta = 0 and lse = +inf, so P = dS = 0 there, and no row h >= H is read or written). It
+    walks the row's valid top-k prefix ``min(L, topk_length)`` ``topk_block`` slots at a time: gathers the
+    valid KV rows (an invalid slot's index is never used as an address), recomputes
+    P = exp2(s sm_scale log2e - lse2) with the sink folded into lse2 (P = 0 on invalid slots), dP = dO V^T,
+    dS = P (dP - Delta) sm_scale, and runs dq += dS K and dkv_blk = dS^T Q + P^T [dO; 0] on tensor cores (bf16
+    operands, fp32 accumulators, a fixed instruction order).
+
+Two kernel bodies, one algorithm and the same bits
+    64-head groups (H > 32, the production case) run ``backward_ws``: warp-specialised, a producer warpgroup
+    gathers KV rows while two consumer warpgroups split the products and each rounds and sends its own dkv
+    columns. 16- and 32-head groups run the single-role body below (every thread does every step in turn);
+    ``BackwardConfig(single_role=True)`` runs it for 64-head groups too, and both give the same dq, dkv and
+    d_sink bits (tests/gpu/test_backward_gpu.py).
+
+Determinism by construction
+    dq has one writer per element (its block, in a fixed loop order). dkv rows get contributions from every
+    (query, slot, head group) naming them, in an order the scheduler picks; so each fp32 contribution is
+    rounded once to an integer multiple of 2**-F and summed in int64. Integer addition is associative: the
+    accumulator holds the exact sum of the rounded terms whatever the order, and one final pass turns
+    accumulator * 2**-F into bf16. Delta and each query row's term of the bound for F come from one pass over
+    q, out and dO (``bwd_prep``, fixed-order sums); the kernel LSE, the rest of the bound and
+    d_sink = -sum p_sink Delta are torch reductions on fixed shapes (no atomics); d_sink is summed per query
+    chunk, then over chunks in order. No floating-point atomic is issued anywhere (tests/test_backward_compile.py
+    reads the generated CUDA).
+
+How the int64 sums reach memory
+    Contributions are staged in shared memory as int64, a few KV rows per round, and each valid row goes out as
+    one ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64`` (two's complement, so u64 addition is
+    signed addition) issued by the TMA engine; ``PRELUDE`` supplies it in inline PTX (TileLang 0.1.15 has only
+    the .f32 flavour). A staging buffer is rewritten only after the bulk group that last read it has finished
+    reading (``cp.async.bulk.wait_group.read``).
+
+Fixed point and precision
+    F comes from a cheap bound G on any partial sum of dkv (``backward_model.dkv_bound``: per query and head
+    sum_t P <= 1 and sum_t |dS| <= 2 |dO| Vmax, summed over queries): F = 60 - ceil(log2 G), computed on the
+    device (no host sync) and read by the kernel from a tensor. The resolution 2**-F sits 2**60 below G, so a
+    term loses at most 2**-61 G: a row 2**30 below G summing 1024 terms keeps 2**-21 relative accuracy, one
+    2**40 below keeps 2**-11, still under its own bf16 output rounding (2**-9). The bound is loose by the ratio
+    of all queries to the queries that name a row (S L / Skv at most), which costs bits, not correctness.
+
+The NumPy model ``backward_model`` runs this algorithm on CPU (same plan, padding and fixed-point scheme). Speed,
+and the alternatives measured on the way here, are in BENCHMARKS.md.
+"""
+
+import functools
+
+import torch
+from sparse_mqa_testkit import contract
+from sparse_mqa_testkit.backends.validate import check_backward_args
+
+from . import backward_ws, bwd_plan, bwd_prep
+from .target import TARGET
+
+THREADS = {64: 256, 32: 128, 16: 128}  # single-role body, per head group
+STAGE_ROWS = 4  # single-role body: KV rows per staging round, double-buffered (the block shares its two buffers)
+
+PRELUDE = r"""
+__device__ __forceinline__ void sparse_mqa_bulk_add_u64(void const* smem, void* gmem, int bytes) {
+  unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64 [%0], [%1], %2;"
+               :: "l"(gmem), "r"(s), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void sparse_mqa_bulk_commit_wait_read1() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+}
+__device__ __forceinline__ void sparse_mqa_bulk_wait_read0() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void sparse_mqa_bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+__device__ __forceinline__ void sparse_mqa_bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// wait until at most N bulk groups still read their staging (N = staging buffers - 1)
+template <int N> __device__ __forceinline__ void sparse_mqa_bulk_wait_read_n() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+}
+"""
+
+
+def build_program(key: bwd_plan.VariantKey):
+    """The TileLang prim_func of one variant; B, S, Skv, H and L are symbolic."""
+    if key.warp_specialized:
+        return backward_ws.build_program(key, PRELUDE)
+    return _single_role_program(key)
+
+
+def _single_role_program(key: bwd_plan.VariantKey):
+    """Every thread of the block does every step in turn (16- and 32-head groups, and ``single_role``)."""
+    import tilelang.language as T
+
+    dqk, dv, HG, BI = key.dqk, key.dv, key.head_group, key.topk_block
+    R = STAGE_ROWS
+    assert BI % R == 0
+    D = dv
+    tail = dqk - dv
+    TA = max(tail, 16)
+    threads = THREADS[HG]
+    batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
+    bf16, f32, i32, i64 = T.bfloat16, T.float32, T.int32, T.int64
+    log2e = contract.LOG2E
+
+    @T.prim_func
+    def sparse_mqa_bwd(
+        Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
+        KV: T.Tensor([batch, seq_kv, dqk], bf16),
+        dO: T.Tensor([batch, seq_len, heads, dv], bf16),
+        Indices: T.Tensor([batch, seq_len, topk], i32),
+        TopkLen: T.Tensor([batch, seq_len], i32),
+        Lse2: T.Tensor([batch, seq_len, heads], f32),
+        Delta: T.Tensor([batch, seq_len, heads], f32),
+        Rows: T.Tensor([n_rows], i32),
+        Fx: T.Tensor([1], f32),
+        dQ: T.Tensor([batch, seq_len, heads, dqk], bf16),
+        Acc: T.Tensor([batch, seq_kv, dqk], i64),
+        sm_scale: f32,
+    ):
+        groups = T.ceildiv(heads, HG)
+        with T.Kernel(n_rows, batch, groups, threads=threads, prelude=PRELUDE) as (bx, by, bz):
+            Q_shared = T.alloc_shared([HG, D], bf16)
+            dO_shared = T.alloc_shared([HG, D], bf16)
+            KV_shared = T.alloc_shared([BI, D], bf16)
+            P_shared = T.alloc_shared([HG, BI], bf16)
+            dS_shared = T.alloc_shared([HG, BI], bf16)
+            idx_shared = T.alloc_shared([BI], i32)
+            # the rope tail (Dqk - Dv columns); allocated at a dummy size when there is none
+            Qt_shared = T.alloc_shared([HG, TA], bf16)
+            KVt_shared = T.alloc_shared([BI, TA], bf16)
+            acc_dq_t = T.alloc_fragment([HG, TA], f32)
+            acc_dkv_t = T.alloc_fragment([BI, TA], f32)
+
+            acc_p = T.alloc_fragment([HG, BI], f32)
+            acc_dp = T.alloc_fragment([HG, BI], f32)
+            acc_dq = T.alloc_fragment([HG, D], f32)
+            acc_dkv = T.alloc_fragment([BI, D], f32)
+            stage = T.alloc_shared([2, R, dqk], i64)
+            lse_f = T.alloc_fragment([HG], f32)
+            delta_f = T.alloc_fragment([HG], f32)
+
+            b_i = by
+            s_i = Rows[bx]
+            h0 = bz * HG
+            fx = Fx[0]
+            tx = T.get_thread_binding()
+            c2 = sm_scale * log2e
+            n_valid = T.min(TopkLen[b_i, s_i], topk)
+
+            # padded heads: zero q and dO, Delta 0, lse +inf -> P = dS = 0; rows h0 + h >= heads never touched
+            for h, d in T.Parallel(HG, D):
+                Q_shared[h, d] = T.if_then_else(h0 + h < heads, Q[b_i, s_i, h0 + h, d], T.cast(0, bf16))
+                dO_shared[h, d] = T.if_then_else(h0 + h < heads, dO[b_i, s_i, h0 + h, d], T.cast(0, bf16))
+            if tail > 0:
+                for h, d in T.Parallel(HG, tail):
+                    Qt_shared[h, d] = T.if_then_else(h0 + h < heads, Q[b_i, s_i, h0 + h, D + d],
+                                                     T.cast(0, bf16))
+            for h in T.Parallel(HG):
+                lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, h0 + h], T.infinity(f32))
+                delta_f[h] = T.if_then_else(h0 + h < heads, Delta[b_i, s_i, h0 + h], 0.0)
+            T.clear(acc_dq)
+            if tail > 0:
+                T.clear(acc_dq_t)
+
+            n_blk = T.ceildiv(n_valid, BI)
+            for kb in T.serial(n_blk):
+                # validity by the contract's rule; an invalid slot keeps -1 and its row is zero-filled
+                for j in T.Parallel(BI):
+                    idx_shared[j] = T.if_then_else(kb * BI + j < n_valid, Indices[b_i, s_i, kb * BI + j], -1)
+                for j in T.Parallel(BI):
+                    idx_shared[j] = T.if_then_else(T.And(idx_shared[j] >= 0, idx_shared[j] < seq_kv),
+                                                   idx_shared[j], -1)
+                for j, d in T.Parallel(BI, D):
+                    KV_shared[j, d] = T.if_then_else(idx_shared[j] >= 0, KV[b_i, idx_shared[j], d], T.cast(0, bf16))
+                if tail > 0:
+                    for j, d in T.Parallel(BI, tail):
+                        KVt_shared[j, d] = T.if_then_else(idx_shared[j] >= 0, KV[b_i, idx_shared[j], D + d],
+                                                          T.cast(0, bf16))
+
+                T.gemm(Q_shared, KV_shared, acc_p, transpose_B=True, clear_accum=True,
+                       policy=T.GemmWarpPolicy.FullCol)
+                if tail > 0:
+                    T.gemm(Qt_shared, KVt_shared, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                for h, j in T.Parallel(HG, BI):
+                    acc_p[h, j] = T.if_then_else(idx_shared[j] >= 0, T.exp2(acc_p[h, j] * c2 - lse_f[h]), 0.0)
+                T.copy(acc_p, P_shared)
+
+                T.gemm(dO_shared, KV_shared, acc_dp, transpose_B=True, clear_accum=True,
+                       policy=T.GemmWarpPolicy.FullCol)
+                for h, j in T.Parallel(HG, BI):
+                    acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - delta_f[h]) * sm_scale
+                T.copy(acc_dp, dS_shared)
+
+                T.gemm(dS_shared, KV_shared, acc_dq, policy=T.GemmWarpPolicy.FullCol)
+                if tail > 0:
+                    T.gemm(dS_shared, KVt_shared, acc_dq_t, policy=T.GemmWarpPolicy.FullCol)
+
+                T.gemm(dS_shared, Q_shared, acc_dkv, transpose_A=True, clear_accum=True,
+                       policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(P_shared, dO_shared, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+                if tail > 0:
+                    T.gemm(dS_shared, Qt_shared, acc_dkv_t, transpose_A=True, clear_accum=True,
+                           policy=T.GemmWarpPolicy.FullCol)
+
+                # exact, order-free accumulation: one rounding to 2**-F, then int64 adds (valid slots only)
+                for r in T.serial(BI // R):
+                    # buffer r % 2 was last read by the bulk group of round r - 2, retired below
+                    for j, d in T.Parallel(BI, D):
+                        if j // R == r:
+                            stage[r % 2, j % R, d] = T.cast(T.round(acc_dkv[j, d] * fx), i64)
+                    if tail > 0:
+                        for j, d in T.Parallel(BI, tail):
+                            if j // R == r:
+                                stage[r % 2, j % R, D + d] = T.cast(T.round(acc_dkv_t[j, d] * fx), i64)
+                    T.fence_proxy_async()
+                    T.sync_threads()
+                    if tx < R:
+                        if idx_shared[r * R + tx] >= 0:
+                            T.call_extern("handle", "sparse_mqa_bulk_add_u64", T.address_of(stage[r % 2, tx, 0]),
+                                          T.address_of(Acc[b_i, idx_shared[r * R + tx], 0]), dqk * 8)
+                        T.call_extern("handle", "sparse_mqa_bulk_commit_wait_read1")
+                    T.sync_threads()
+                # the next block's rounds restart at buffer 0, which this block's last round may still be
+                # reading (an odd number of rounds): no read stays in flight into the next block
+                if tx < R:
+                    T.call_extern("handle", "sparse_mqa_bulk_wait_read0")
+                T.sync_threads()
+
+            for h, d in T.Parallel(HG, D):
+                if h0 + h < heads:
+                    dQ[b_i, s_i, h0 + h, d] = T.cast(acc_dq[h, d], bf16)
+            if tail > 0:
+                for h, d in T.Parallel(HG, tail):
+                    if h0 + h < heads:
+                        dQ[b_i, s_i, h0 + h, D + d] = T.cast(acc_dq_t[h, d], bf16)
+            if tx < R:
+                T.call_extern("handle", "sparse_mqa_bulk_wait_all")
+
+    return sparse_mqa_bwd
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(key: bwd_plan.VariantKey):
+    """The compiled kernel of one variant (TileLang's disk cache under TILELANG_CACHE_DIR makes reloads cheap)."""
+    import tilelang
+
+    configs = {}
+    if not key.warp_specialized:
+        # the single-role body: no automatic warp specialisation. TileLang's aggressive shared-memory merge
+        # (off unless asked for) must stay off: its liveness does not see the top-k loop's back edge and gave
+        # the int64 staging q's memory (Dqk 512, 16-head groups: NaN dq from the second block on)
+        configs = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+    return tilelang.compile(build_program(key), out_idx=None, target=TARGET, pass_configs=configs)
+
+
+def kernel_source(key: bwd_plan.VariantKey) -> str:
+    """Generated CUDA of one variant (compiles it if needed)."""
+    return compiled(key).get_kernel_source()
+
+
+def precompile() -> list[str]:
+    """Compile every variant a plan can produce, and the prep pass, into the current TILELANG_CACHE_DIR."""
+    out = []
+    for key in bwd_plan.all_variants():
+        compiled(key)
+        out.append(key.describe())
+    for dqk, dv in contract.PRODUCTION_DIMS:
+        bwd_prep.compiled(dqk, dv)
+        out.append(f"sparse_mqa_bwd_prep Dqk={dqk} Dv={dv}")
+    return out
+
+
+def _prep(q, kv, out, grad_out, sm_scale, d_v):
+    """Delta [B, S, H] and the fixed point (2**F as a float32 tensor, F) on the device, without a host sync.
+
+    ``bwd_prep`` computes Delta and each query row's term of ``backward_model.dkv_bound``'s bound in one pass over q,
+    out and dO; Vmax (over the KV rows) and the sum over query rows are torch reductions on fixed shapes.
+    """
+    B, S, H, Dqk = q.shape
+    kvf = kv[..., :d_v].float()
+    vnorm = kvf.mul(kvf).sum(-1).sqrt()
+    vmax = torch.where(torch.isfinite(vnorm), vnorm, torch.zeros_like(vnorm)).amax().reshape(1)
+    delta = torch.empty((B, S, H), dtype=torch.float32, device=q.device)
+    rows = torch.empty((B, S), dtype=torch.float32, device=q.device)
+    bwd_prep.compiled(Dqk, d_v)(q, out, grad_out, vmax, delta, rows, abs(sm_scale) * bwd_plan.DS_BOUND_FACTOR)
+    G = rows.sum()
+    e = torch.ceil(torch.log2(G))
+    F = (bwd_plan.ACC_BITS - bwd_plan.HEADROOM_BITS) - e
+    F = torch.clamp(F, bwd_plan.F_MIN, bwd_plan.F_MAX)
+    F = torch.where(G == 0, torch.full_like(F, bwd_plan.F_MAX), F)
+    F = torch.where(torch.isfinite(G), F, torch.zeros_like(F))
+    return delta, torch.exp2(F).reshape(1).float(), F
+
+
+def sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None,
+                        config: bwd_plan.BackwardConfig = bwd_plan.BackwardConfig()):
+    """Contract backward on the GPU: ``(dq bf16, dkv bf16, d_sink fp32 or None)``, bitwise deterministic.
+
+    Arguments are validated (shapes, kernel dtypes, device, supported dims) before any GPU work. ``config``
+    chooses the launch chunking and, for 64-head groups, the body; every choice gives the same bits.
+    """
+    dims = check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length,
+                               supported_dims=contract.PRODUCTION_DIMS, device_type="cuda")
+    sm_scale = float(sm_scale)
+    plan = bwd_plan.make_plan(dims.B, dims.S, dims.Skv, dims.H, dims.L, dims.Dqk, dims.Dv,
+                              max_query_chunk=config.max_query_chunk)
+    kernel = compiled(plan.key(config.single_role))
+    dev = q.device
+    q, kv, out, grad_out, lse, indices = (t.contiguous() for t in (q, kv, out, grad_out, lse, indices))
+    with torch.cuda.device(dev):
+        if topk_length is None:
+            tl = torch.full((dims.B, dims.S), dims.L, dtype=torch.int32, device=dev)
+        else:
+            tl = topk_length.contiguous()
+        delta, fx, F = _prep(q, kv, out, grad_out, sm_scale, dims.Dv)
+        lse2 = contract.lse_to_base2(lse, attn_sink).contiguous()
+        acc = torch.zeros((dims.B, dims.Skv, dims.Dqk), dtype=torch.int64, device=dev)
+        dq = torch.empty((dims.B, dims.S, dims.H, dims.Dqk), dtype=torch.bfloat16, device=dev)
+        partials = []
+        ps = contract.sink_probability(lse, attn_sink) if attn_sink is not None else None
+        for chunk in plan.chunks():
+            rows = torch.arange(chunk.start, chunk.stop, dtype=torch.int32, device=dev)
+            kernel(q, kv, grad_out, indices, tl, lse2, delta, rows, fx, dq, acc, sm_scale)
+            if ps is not None:
+                partials.append((ps[:, chunk.start:chunk.stop] * delta[:, chunk.start:chunk.stop]).sum((0, 1)))
+        dkv = (acc.double() * torch.exp2(-F.double())).to(torch.bfloat16)
+        d_sink = None
+        if ps is not None:
+            d_sink = -torch.stack(partials).sum(0)  # fixed order over chunks
+    return dq, dkv, d_sink

@@ -1,0 +1,51 @@
+"""How ``sparse-mqa-bench`` times a call (CUDA events on a GPU, wall clock on CPU) and judges its stability."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def _sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_calls(call, n_sets: int, warmup: int, iters: int, device) -> list[float]:
+    """Milliseconds of ``call(k)`` for k rotating over the input sets, after ``warmup`` untimed calls."""
+    for k in range(warmup):
+        call(k % n_sets)
+    _sync(device)
+    if str(device).startswith("cuda"):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(iters)]
+        for k, (start, end) in enumerate(events):
+            start.record()
+            call(k % n_sets)
+            end.record()
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) for start, end in events]
+    times = []
+    for k in range(iters):
+        t0 = time.perf_counter()
+        call(k % n_sets)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def stability(call, repeats: int, names=("dq", "dkv", "d_sink")) -> tuple[bool, dict]:
+    """Repeat ``call()`` and compare every output with the first by ``torch.equal``.
+
+    Returns (all bitwise equal, {output name: max |difference| over the repeats} for those that differ).
+    """
+    first = [None if t is None else t.clone() for t in call()]
+    drift: dict[str, float] = {}
+    for _ in range(repeats - 1):
+        again = call()
+        for name, a, b in zip(names, first, again):
+            if a is None or torch.equal(a, b):
+                continue
+            d = (a.float() - b.float()).abs().nan_to_num(nan=float("inf")).max().item()
+            drift[name] = max(drift.get(name, 0.0), d)
+    return not drift, drift

@@ -1,0 +1,126 @@
+"""What one suite test observed, for the conformance table, and the one way a check runs inside the suite.
+
+A ``Recorder`` belongs to one test item (the plugin keeps it in the item's stash and hands it to the
+``smqa_check`` / ``smqa_checks`` fixtures): cases run, the worst ratio and where it was, the boundary classes
+covered with their worst ratio, and the failure with its replay line. ``data()`` is JSON-able and travels to
+the xdist controller in the report's ``user_properties``. ``run_check`` runs one registry check on one case,
+records it, feeds ``hypothesis.target`` (the nightly profile climbs it) and raises on failure.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from hypothesis import target
+from hypothesis.control import currently_in_test_context
+
+from .cases import Case
+from .checks.registry import get_check
+from .checks.result import repro_command
+from .strategies import case_events
+
+PROPERTY = "smqa"  # key in TestReport.user_properties
+PROGRESS_ENV = "SMQA_PROGRESS"  # seconds between progress lines (the nightly driver sets it)
+DEADLINE_ENV = "SMQA_DEADLINE"  # epoch seconds the run should end by, for "time left"
+
+
+def finite(x: float) -> float:
+    return x if math.isfinite(x) else 1e6
+
+
+def merge_coverage(into: dict, labels: dict) -> dict:
+    """Add ``labels`` (label -> {"n", "max_ratio"}) into ``into``: counts add, worst ratios take the max."""
+    for label, v in labels.items():
+        slot = into.setdefault(label, {"n": 0, "max_ratio": None})
+        slot["n"] += v["n"]
+        if v["max_ratio"] is not None:
+            slot["max_ratio"] = max(slot["max_ratio"] or 0.0, v["max_ratio"])
+    return into
+
+
+@dataclass
+class Recorder:
+    """Everything one test item observed; ``data()`` is JSON-able.
+
+    backend is the name the run was given (a registered name or ``module:attr``), which replay lines use.
+    """
+
+    check: str
+    backend: str
+    tiles: dict = field(default_factory=dict)
+    cases: int = 0
+    failed: int = 0
+    worst: dict | None = None
+    coverage: dict = field(default_factory=dict)  # label -> {"n", "max_ratio"}
+    failure: dict | None = None
+
+    def add_case(self, case: Case, ratio: float | None = None) -> None:
+        self.cases += 1
+        _progress(self)
+        r = None if ratio is None else finite(ratio)
+        merge_coverage(self.coverage, {label: {"n": 1, "max_ratio": r} for label in case_events(case, self.tiles)})
+
+    def add(self, result) -> None:
+        ratio = float(result.ratio)
+        self.add_case(result.case, ratio)
+        if not result.passed:
+            self.failed += 1
+            # Hypothesis replays the shrunk example last, so the last failure is the one to report
+            self.failure = {"case": result.case.repro(), "message": result.message,
+                            "repro": repro_command(self.backend, result.check, result.case)}
+        if self.worst is None or finite(ratio) >= self.worst["ratio"]:
+            self.worst = {"ratio": finite(ratio), "case": result.case.repro(), **_worst_tensor(result)}
+
+    def data(self) -> dict:
+        return {k: getattr(self, k) for k in ("check", "backend", "cases", "failed", "worst", "coverage",
+                                               "failure")}
+
+
+def _worst_tensor(result) -> dict:
+    best = {}
+    for name, t in (result.per_tensor or {}).items():
+        err, allowed = t.get("error"), t.get("allowed")
+        if err is None or not allowed:
+            continue
+        r = float(err) / float(allowed)
+        if not best or r > best["_r"]:
+            best = {"_r": r, "tensor": name, "error": float(err), "allowed": float(allowed)}
+    best.pop("_r", None)
+    return best
+
+
+_last_progress = [0.0]  # one progress line per PROGRESS_ENV seconds in this process, whichever test prints it
+
+
+def _progress(rec: Recorder) -> None:
+    every = float(os.environ.get(PROGRESS_ENV) or 0)
+    now = time.time()
+    if not every or now - _last_progress[0] < every:
+        return
+    _last_progress[0] = now
+    left = ""
+    if os.environ.get(DEADLINE_ENV):
+        left = f", {max(0.0, float(os.environ[DEADLINE_ENV]) - now) / 60:.1f} min left"
+    worst = f", worst ratio {rec.worst['ratio']:.3f}" if rec.worst else ""
+    # pytest captures sys.stderr inside tests; progress goes to the real one
+    print(f"[smqa] {rec.check}[{rec.backend}]: {rec.cases} examples, {rec.failed} failures{worst}{left}",
+          file=sys.__stderr__, flush=True)
+
+
+def run_check(check: str, backend, case: Case, *, recorder: Recorder | None = None, **options):
+    """Run a registry check, record it on ``recorder``, target its ratio, raise ``CheckFailure`` on failure."""
+    result = get_check(check).function(backend, case, **options)
+    if recorder is not None:
+        if not result.passed and recorder.backend != result.backend:
+            # replay by the name the run was given (module:attr), which the backend's .name may not resolve
+            result.message = result.message.replace(repro_command(result.backend, result.check, case),
+                                                    repro_command(recorder.backend, result.check, case))
+        recorder.add(result)
+    if currently_in_test_context():
+        target(finite(float(result.ratio)), label=f"{check} ratio")
+    result.raise_if_failed()
+    return result
