@@ -20,8 +20,9 @@ from sparse_mqa_testkit.backends.validate import check_backward_args, check_forw
 
 LOG2E = contract.LOG2E
 
-# Source of a downstream module for the tests that run the CLI or the plugin in a subprocess: dq doubled when
-# H >= 2, so the simplest case (H = 1) passes and a failure needs searching (or the example database).
+# Source of a downstream module for the tests that run the CLI or the plugin in a subprocess: dq doubled once
+# the cache has 9 rows or more (a second KV tile mishandled), so the simplest case (Skv = 1) and the suite's
+# explicit boundary cases (Skv <= 8) pass, and a failure needs searching (or the example database).
 DQ_DOUBLED_SOURCE = '''
 from sparse_mqa_testkit.backends.reference import ReferenceBackend
 
@@ -30,7 +31,53 @@ class Broken(ReferenceBackend):
     def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
         dq, dkv, ds = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
                                        topk_length=topk_length)
-        return (dq * 2 if q.shape[2] >= 2 else dq), dkv, ds
+        return (dq * 2 if kv.shape[1] >= 9 else dq), dkv, ds
+'''
+
+# Source of a downstream module with a kernel that compiles per shape, as cuDNN's DSA backward does: the reference
+# backend that "compiles" (sleeps) once per (H, L, topk given) and logs every key it is called with to
+# $COMPILE_LOG; and the same with a bug planted in one boundary class (dq doubled when L is one past a tile).
+COMPILING_SOURCE = '''
+import os, time
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class Compiling(ReferenceBackend):
+    name = "compiling"
+    tiles = {"head_group": 16, "topk_block": 16}
+    compile_keys = ("H", "L", "topk_given")
+
+    def __init__(self):
+        super().__init__()
+        self.compiled = set()
+
+    def _compile(self, q, indices, topk_length):
+        key = (int(q.shape[2]), int(indices.shape[2]), topk_length is not None)
+        with open(os.environ["COMPILE_LOG"], "a") as log:
+            log.write(f"{key}\\n")
+        if key not in self.compiled:
+            time.sleep(0.02)
+            self.compiled.add(key)
+
+    def warmup(self, cases):
+        for c in cases:  # one call per pooled key, before the checks
+            self._compile(type("Q", (), {"shape": (c.B, c.S, c.H)}), type("I", (), {"shape": (c.B, c.S, c.L)}),
+                          None if c.topk == "none" else True)
+
+    def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
+        res = super().forward(q, kv, indices, sm_scale, d_v, attn_sink=attn_sink, topk_length=topk_length)
+        self._compile(q, indices, topk_length)  # after validation: a refused call compiles nothing
+        return res
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        res = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length)
+        self._compile(q, indices, topk_length)
+        return res
+
+class PlantedAboveTile(Compiling):
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        dq, dkv, ds = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
+                                       topk_length=topk_length)
+        return (dq * 2 if indices.shape[2] % 16 == 1 else dq), dkv, ds
 '''
 
 

@@ -76,7 +76,7 @@ def test_main_job_fails_on_a_broken_backend_with_table_and_json(broken, tmp_path
     assert "tolerance  brokenkernels:Broken" in out and "FAIL" in out
     assert "sparse-mqa-check: FAIL" in out and 'replay: sparse-mqa-check --backend brokenkernels:Broken --check tolerance' in out
     data = json.loads((tmp_path / "r.json").read_text())
-    assert {(r["check"], r["outcome"]) for r in data["rows"]} == {("tolerance", "failed")}
+    assert sorted((r["check"], r["outcome"]) for r in data["rows"]) == [("tolerance", "failed"), ("tolerance", "passed")]
 
 
 def test_nightly_failure_becomes_reproducer_ledger_and_replays_from_the_database(broken, tmp_path, monkeypatch,
@@ -95,12 +95,12 @@ def test_nightly_failure_becomes_reproducer_ledger_and_replays_from_the_database
     ledger = json.loads((out / "ledger.json").read_text())
     assert ledger[-1]["failures"] == 1 and ledger[-1]["ratios"]["brokenkernels:Broken"]["tolerance"]
     # the next plain run pointed at the same database replays the failure; without it, ci's one
-    # derandomized example (the simplest case, H = 1) passes
+    # derandomized example (the simplest case, Skv = 1) passes
     monkeypatch.setenv("SMQA_MAX_EXAMPLES", "1")
     rc, _ = runner.run_suite([broken], profile="ci", extra=["--smqa-check", "tolerance"])
     assert rc == 0
     rc, data = runner.run_suite([broken], profile="ci", database=out / "examples", extra=["--smqa-check", "tolerance"])
-    assert rc == 1 and data["rows"][0]["outcome"] == "failed"
+    assert rc == 1 and "failed" in {r["outcome"] for r in data["rows"]}
 
 
 def test_nightly_pass_appends_to_the_ledger_and_compares_with_the_last_run(tmp_path, monkeypatch, capfd):

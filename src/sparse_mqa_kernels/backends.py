@@ -15,9 +15,10 @@ import torch
 from sparse_mqa_testkit import contract
 from sparse_mqa_testkit.backends import BackendBase, MissingDependency
 from sparse_mqa_testkit.backends.validate import check_backward_args
+from sparse_mqa_testkit.compile_keys import CompileKey
 from sparse_mqa_testkit.torch_io import to_torch
 
-from . import bwd_plan
+from . import bwd_plan, fwd_plan
 from .backward_model import MODEL_QUERY_CHUNK, model_backward
 
 
@@ -36,6 +37,8 @@ class TileLangBackend(BackendBase):
     default_for = "cuda"  # the machine's default backend where CUDA is available
     dims = contract.PRODUCTION_DIMS
     tiles = dict(bwd_plan.TILES)
+    # B, S, Skv, H and L are runtime sizes; a compiled variant depends only on these
+    compile_keys = ("Dqk", "Dv", "sink_given", "topk_given", CompileKey("head_group", "H", bwd_plan.head_group_for))
 
     def require(self) -> None:
         _require_tilelang()
@@ -51,12 +54,22 @@ class TileLangBackend(BackendBase):
         return sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
                                    topk_length=topk_length)
 
-    def warmup(self) -> list[str]:
-        """Compile (or load from TILELANG_CACHE_DIR) every kernel variant once, before any timed or parallel
-        test: the plugin calls this once per worker."""
-        from . import backward, forward
+    def warmup(self, cases=None) -> list[str]:
+        """Compile (or load from TILELANG_CACHE_DIR) the kernel variants ``cases`` need, every variant without
+        cases, before any timed or parallel test: the plugin calls this once per worker."""
+        from . import backward, bwd_prep, forward
 
-        return forward.precompile() + backward.precompile()
+        if cases is None:
+            return forward.precompile() + backward.precompile()
+        out = []
+        for c in cases:
+            fkey = fwd_plan.variant_key(c.Dqk, c.Dv, has_sink=c.sink != "none", has_topk_length=c.topk != "none")
+            bkey = bwd_plan.make_plan(c.B, c.S, c.Skv, c.H, c.L, c.Dqk, c.Dv).key()
+            forward.compiled(fkey)
+            backward.compiled(bkey)
+            bwd_prep.compiled(c.Dqk, c.Dv)
+            out += [fkey.describe(), bkey.describe()]
+        return sorted(set(out))
 
     def precompile(self, directory) -> list[str]:
         """Compile every kernel variant into TileLang's cache ``directory`` (for sm_90a, without a GPU too)."""

@@ -16,8 +16,9 @@ What the adapter does, and why (read from the 1.32 sources of ``cudnn.DSA.Sparse
   Global indices are int32, so B * Skv must stay below 2**31.
 - No deterministic mode on SM90 (dkv is accumulated with float atomics): ``deterministic = False``.
 - Plans: one ``SparseAttentionBackward`` per shape, cached here (the scale is passed per call, so it is not
-  part of the key). On SM90 the CuTe kernels are JIT-compiled on the first execute of each (H, L, topk_length
-  or not) and cached by cuDNN from then on.
+  part of the key). On SM90 the CuTe kernels are JIT-compiled on the first execute of each (head dim, H, L,
+  topk_length or not) and cached by cuDNN from then on: ``compile_keys`` says so to the suite, and ``warmup``
+  executes one call per pooled key before any check.
 """
 
 from __future__ import annotations
@@ -121,9 +122,26 @@ class CudnnBackend(BackendBase):
     deterministic = False  # SM90 has no deterministic mode: dkv is summed with float atomics
     dims = CUDNN_DIMS
     tiles = {"head_group": 64, "topk_block": 64}  # SM90: 64-head MMA tiles, 64 gathered kv rows per block
+    compile_keys = ("Dqk", "H", "L", "topk_given")  # what its CuTe kernels are JIT-compiled for
 
     def __init__(self):
         self._plans: dict = {}
+
+    def warmup(self, cases=()) -> list[str]:
+        """One backward call per case (synthetic values: only the shapes and flags matter), so cuDNN compiles
+        each kernel key before the checks time anything."""
+        from sparse_mqa_testkit.torch_io import case_tensors
+
+        done = []
+        for case in cases:
+            t = case_tensors(case, "cuda")
+            out = torch.zeros(case.dims.shape("out"), dtype=torch.bfloat16, device="cuda")
+            lse = torch.zeros(case.dims.shape("lse"), dtype=torch.float32, device="cuda")
+            self.backward(t["q"], t["kv"], out, t["grad_out"], lse, t["attn_sink"], t["indices"], t["sm_scale"],
+                          topk_length=t["topk_length"])
+            done.append(f"cudnn Dqk{case.Dqk} H{case.H} L{case.L} topk_length={case.topk != 'none'}")
+        torch.cuda.synchronize()
+        return done
 
     def supports(self, case) -> str | None:
         return unsupported_reason(case.dims)

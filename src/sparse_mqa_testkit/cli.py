@@ -19,10 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-from .checks.registry import CHECKS, COVERAGE
+from .checks.registry import CHECKS
 from .nightly import run_nightly
 from .profiles import PROFILES
 from .runner import run_suite
+from .table import merged
 
 
 def parser() -> argparse.ArgumentParser:
@@ -34,8 +35,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", choices=PROFILES, help="Hypothesis profile (default $SMQA_PROFILE or dev)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--database", metavar="DIR", help="Hypothesis example database directory")
-    ap.add_argument("--check", metavar="NAME", choices=[*CHECKS, COVERAGE],
-                    help=f"only this check ({', '.join([*CHECKS, COVERAGE])}); with --replay, the check to replay")
+    ap.add_argument("--check", metavar="NAME", choices=list(CHECKS),
+                    help=f"only this check ({', '.join(CHECKS)}); with --replay, the check to replay")
     ap.add_argument("--replay", metavar='"Case(...)"', help="run --check once on this case and print the result")
     ap.add_argument("--precompile", metavar="DIR",
                     help="compile every kernel variant of the named backends (default: every installed backend "
@@ -67,16 +68,19 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     rc, data = run_suite(backends, profile=args.profile, database=args.database, json_path=args.json,
                          extra=extra)
-    rows = data.get("rows", [])
+    rows = merged(data.get("rows", []))
     failed = [r for r in rows if r["outcome"] in ("failed", "error")]
     if rc == 0 and all(r["outcome"] == "skipped" for r in rows):
         reasons = sorted({r.get("reason", "") for r in rows}) or ["no suite test was collected"]
         print(f"sparse-mqa-check: nothing was checked: {'; '.join(reasons)}")
         rc = 1
     verdict = "FAIL" if rc != 0 else "PASS"
+    timing = data.get("timing") or {}
+    split = "".join(f", {b}: warm-up {t['compile_s']:.0f} s, checks {t['check_s']:.0f} s"
+                    for b, t in timing.items() if t.get("compile_s") is not None)
     print(f"sparse-mqa-check: {verdict}: backend {', '.join(backends)}, profile {data.get('profile', '?')}, "
           f"{sum(r['cases'] for r in rows)} cases in {len(rows)} checks, {len(failed)} failed, "
-          f"{time.monotonic() - t0:.0f} s")
+          f"{time.monotonic() - t0:.0f} s{split}")
     for r in failed:
         if r.get("failure"):
             print(f"  replay: {r['failure']['repro']}")

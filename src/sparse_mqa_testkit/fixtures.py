@@ -82,6 +82,10 @@ class BoundCheck:
     def __init__(self, name: str, checks: Checks):
         self.name, self.checks = name, checks
 
+    @property
+    def recorder(self) -> Recorder | None:
+        return self.checks.recorder
+
     def __call__(self, case: Case, **options):
         return self.checks.run(self.name, case, **options)
 

@@ -12,7 +12,7 @@ Markers: ``gpu`` (skipped with the reason when CUDA is absent), ``slow``, ``smqa
 ``smqa_case`` is parametrized with, default 3), ``smqa_outside_domain`` (``smqa_check`` runs the checks that
 judge cases outside the backend's declared domain).
 
-Fixtures: ``smqa_backend`` (session; warmed up once per worker via the backend's optional ``warmup()``),
+Fixtures: ``smqa_backend`` (session; planned and warmed up once per worker: ``smqa_plan``),
 ``smqa_case`` (a drawn case with its tensors on the backend's device), ``smqa_oracle`` (NumPy oracle on a case),
 ``smqa_checks`` (the checks bound to the backend: ``smqa_checks.tolerance(case)``...), ``smqa_check`` (one
 registry check, the test parametrized over ``checks.CHECKS``). Every test that takes one of them gets a row in
@@ -25,6 +25,7 @@ GPU through ``CUDA_VISIBLE_DEVICES`` in ``pytest_configure``, before CUDA is ini
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import shutil
@@ -53,7 +54,10 @@ def pytest_addoption(parser):
                 help=f"Hypothesis example database directory (default ${profiles.DATABASE_ENV})")
     g.addoption("--smqa-check", action="append", default=[], metavar="NAME",
                 help="run only these checks of the suite (repeatable; the names of "
-                     "sparse_mqa_testkit.checks.CHECKS, and boundary_coverage)")
+                     "sparse_mqa_testkit.checks.CHECKS)")
+    g.addoption("--smqa-compile-budget", type=int, default=None, metavar="N",
+                help="a backend that declares compile_keys compiles at most N kernel keys in the run (default "
+                     "$SMQA_COMPILE_BUDGET, else 8 / 16 / 32 for dev / ci / nightly)")
     g.addoption("--smqa-json", default=None, metavar="PATH",
                 help="write the conformance table (per test: cases, worst ratio, coverage, failure) as JSON")
     g.addoption("--smqa-require-gpu", action="store_true",
@@ -61,9 +65,9 @@ def pytest_addoption(parser):
 
 
 def _check_names() -> list[str]:
-    from .checks.registry import CHECKS, COVERAGE
+    from .checks.registry import CHECKS
 
-    return [*CHECKS, COVERAGE]
+    return list(CHECKS)
 
 
 def backend_names(config) -> list[str]:
@@ -87,7 +91,7 @@ def pytest_configure(config):
                  "smqa_cases(n): number of drawn cases the smqa_case fixture is parametrized with",
                  "smqa_outside_domain: smqa_check runs the checks that judge cases outside the declared domain"):
         config.addinivalue_line("markers", line)
-    config.stash[_STATE] = {"backends": {}, "drawn": {}, "reports": []}
+    config.stash[_STATE] = {"backends": {}, "plans": {}, "drawn": {}, "reports": []}
     config.pluginmanager.register(_Reports(config.stash[_STATE]), "smqa-reports")
 
 
@@ -211,15 +215,10 @@ def pytest_collection_modifyitems(config, items):
     wanted = _selected(config)["checks"]
     if not wanted:
         return
-    from .checks.registry import COVERAGE
-
     keep, drop = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if "smqa_check" in params:
-            chosen = params["smqa_check"] in wanted
-        else:
-            chosen = not _is_suite(item) or (COVERAGE in wanted and item.originalname == f"test_{COVERAGE}")
+        chosen = params["smqa_check"] in wanted if "smqa_check" in params else not _is_suite(item)
         (keep if chosen else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
@@ -249,7 +248,7 @@ def _no_gpu(config, what: str):
 
 @pytest.fixture(scope="session")
 def smqa_backend(request):
-    """The backend under test (one per ``--smqa-backend``), warmed up once per worker."""
+    """The backend under test (one per ``--smqa-backend``), planned and warmed up once per worker."""
     from .backends import BackendNotFound, get_backend
 
     state = _selected(request.config)
@@ -263,11 +262,47 @@ def smqa_backend(request):
             pytest.skip(f"backend {name!r} unavailable: {e} (a package it needs is not installed)")
         if getattr(backend, "device", "cpu") != "cpu" and not _cuda_available():
             _no_gpu(request.config, f"backend {name!r} (device {backend.device})")
-        warmup = getattr(backend, "warmup", None)
-        if callable(warmup):
-            warmup()  # compiles each kernel variant once per worker (from TileLang's cache when warm)
+        state["plans"][name] = _plan(request.config, name, backend)
         state["backends"][name] = backend
     return state["backends"][name]
+
+
+def _plan(config, name: str, backend):
+    """The backend's plan (boundary examples, compile pool), and its warm-up: each pooled key compiled once,
+    before any check, timed apart from the checks."""
+    from .planning import compile_budget, plan_backend, warm_up
+
+    profile = _selected(config)["profile"]
+    try:
+        plan = plan_backend(backend, profile=profile,
+                            budget=compile_budget(config.getoption("smqa_compile_budget"), profile))
+    except ValueError as e:
+        raise pytest.UsageError(f"--smqa-backend {name}: {e}") from None
+    done = warm_up(plan)
+    keys = f"{done['keys']} pooled kernel keys" if done["keys"] else "no compile keys declared"
+    _say(config)(f"[smqa] warm-up {name}: {keys}, {done['seconds']:.1f} s")
+    config.stash[_STATE].setdefault("compile", {})[name] = done
+    return plan
+
+
+@pytest.fixture(scope="session")
+def smqa_plan(request, smqa_backend):
+    """The run's plan for the backend: ``.boundaries.examples`` (explicit cases covering every boundary class
+    its domain allows), ``.boundaries.unreachable``, ``.pool`` (compile keys), ``.compile`` (warm-up time)."""
+    state = request.config.stash[_STATE]
+    return next(state["plans"][n] for n, b in state["backends"].items() if b is smqa_backend)
+
+
+def _say(config):
+    """A line to the terminal now, past pytest's capture of the test's output (progress of a long run)."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+
+    def say(line: str) -> None:
+        with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+    return say
 
 
 def _recorder(item):
@@ -280,7 +315,7 @@ def _recorder(item):
         check = params.get("smqa_check") or item.originalname.removeprefix("test_")
         if params.get("smqa_check") and item.get_closest_marker("smqa_outside_domain") is not None:
             check += "_outside_domain"
-        rec = Recorder(check=check, backend=str(params.get("smqa_backend", "?")))
+        rec = Recorder(check=check, backend=str(params.get("smqa_backend", "?")), say=_say(item.config))
         item.stash[_REC] = rec
         item.user_properties.append((PROPERTY, rec.data()))
     return rec
@@ -316,7 +351,7 @@ def smqa_check(request, smqa_checks):
 
 
 @pytest.fixture
-def smqa_case(request, smqa_backend):
+def smqa_case(request, smqa_backend, smqa_plan):
     """A case drawn (deterministically) inside the backend's domain, with its tensors on the backend's device."""
     from .fixtures import drawn_case
     from .strategies import cases_for, draw_examples
@@ -325,7 +360,7 @@ def smqa_case(request, smqa_backend):
     n = _n_cases(request.node)
     key = (id(smqa_backend), n)
     if key not in state["drawn"]:
-        state["drawn"][key] = draw_examples(cases_for(smqa_backend), n)
+        state["drawn"][key] = draw_examples(cases_for(smqa_backend, pool=smqa_plan.pool), n)
     drawn = state["drawn"][key]
     _recorder(request.node)
     return drawn_case(smqa_backend, drawn[getattr(request, "param", 0) % len(drawn)])
@@ -376,11 +411,12 @@ def pytest_runtest_call(item):
         yield
         return
     from .recording import PROPERTY
-    from .strategies import BACKEND
+    from .strategies import PLAN
 
     rec = _recorder(item)
     rec.tiles = dict(getattr(backend, "tiles", None) or {})
-    item.stash[BACKEND] = backend
+    plan = next(p for p in item.config.stash[_STATE]["plans"].values() if p.draw.backend is backend)
+    item.stash[PLAN] = plan.draw
     _hypothesis_settings(item)
     try:
         yield
@@ -404,7 +440,7 @@ class _Reports:
 
 
 def pytest_terminal_summary(terminalreporter):
-    from .table import format_table, summarize
+    from .table import format_table, summarize, timings
 
     state = terminalreporter.config.stash[_STATE]
     if state.get("workers"):
@@ -415,7 +451,7 @@ def pytest_terminal_summary(terminalreporter):
     rows = summarize(state["reports"])
     if rows:
         terminalreporter.section("sparse-mqa-testkit conformance")
-        terminalreporter.write_line(format_table(rows))
+        terminalreporter.write_line(format_table(rows, timings(rows, state.get("compile", {}))))
 
 
 def _worker_gpu() -> dict:
@@ -431,19 +467,27 @@ def _worker_gpu() -> dict:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    info = getattr(node, "workeroutput", {}).get("smqa_gpu")
+    out = getattr(node, "workeroutput", {})
+    state = node.config.stash[_STATE]
+    info = out.get("smqa_gpu")
     if info and info.get("pinned") is not None:
-        node.config.stash[_STATE].setdefault("workers", {})[node.gateway.id] = info
+        state.setdefault("workers", {})[node.gateway.id] = info
+    for name, done in (out.get("smqa_compile") or {}).items():  # each worker warms up on its own: the longest
+        have = state.setdefault("compile", {}).get(name)
+        if have is None or done["seconds"] > have["seconds"]:
+            state["compile"][name] = done
 
 
 def pytest_sessionfinish(session, exitstatus):
+    state = session.config.stash[_STATE]
     if getattr(session.config, "workerinput", None) is not None:
         session.config.workeroutput["smqa_gpu"] = _worker_gpu()
+        session.config.workeroutput["smqa_compile"] = state.get("compile", {})
         return
     path = session.config.getoption("smqa_json")
-    state = session.config.stash[_STATE]
     if path and "names" in state:
-        from .table import summarize, write_json
+        from .table import summarize, timings, write_json
 
-        write_json(path, summarize(state["reports"]), backends=state["names"], profile=state["profile"],
-                   exitstatus=int(exitstatus))
+        rows = summarize(state["reports"])
+        write_json(path, rows, backends=state["names"], profile=state["profile"], exitstatus=int(exitstatus),
+                   timing=timings(rows, state.get("compile", {})))

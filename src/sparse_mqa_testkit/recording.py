@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from hypothesis import target
 from hypothesis.control import currently_in_test_context
@@ -57,6 +58,8 @@ class Recorder:
     worst: dict | None = None
     coverage: dict = field(default_factory=dict)  # label -> {"n", "max_ratio"}
     failure: dict | None = None
+    unreachable: dict = field(default_factory=dict)  # class label -> why the backend's domain has no case in it
+    say: Callable[[str], None] | None = field(default=None, repr=False)  # where progress lines go
 
     def add_case(self, case: Case, ratio: float | None = None) -> None:
         self.cases += 1
@@ -77,7 +80,7 @@ class Recorder:
 
     def data(self) -> dict:
         return {k: getattr(self, k) for k in ("check", "backend", "cases", "failed", "worst", "coverage",
-                                               "failure")}
+                                               "failure", "unreachable")}
 
 
 def _worst_tensor(result) -> dict:
@@ -106,9 +109,11 @@ def _progress(rec: Recorder) -> None:
     if os.environ.get(DEADLINE_ENV):
         left = f", {max(0.0, float(os.environ[DEADLINE_ENV]) - now) / 60:.1f} min left"
     worst = f", worst ratio {rec.worst['ratio']:.3f}" if rec.worst else ""
-    # pytest captures sys.stderr inside tests; progress goes to the real one
-    print(f"[smqa] {rec.check}[{rec.backend}]: {rec.cases} examples, {rec.failed} failures{worst}{left}",
-          file=sys.__stderr__, flush=True)
+    line = f"[smqa] {rec.check}[{rec.backend}]: {rec.cases} examples, {rec.failed} failures{worst}{left}"
+    if rec.say is not None:
+        rec.say(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def run_check(check: str, backend, case: Case, *, recorder: Recorder | None = None, **options):

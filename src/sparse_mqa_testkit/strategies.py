@@ -7,8 +7,11 @@ Each boundary class is reported with ``hypothesis.event`` so a run shows what it
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from . import contract
@@ -53,7 +56,7 @@ def case_events(case: Case, tiles: dict | None = None) -> list[str]:
                                    ("L", case.L, "topk_block"))]
     if case.H < 16:
         out.append("H < 16")
-    out += [f"sink {case.sink}", f"topk {case.topk}", f"invalid {case.invalid}"]
+    out += [f"dims {case.Dqk}/{case.Dv}", f"sink {case.sink}", f"topk {case.topk}", f"invalid {case.invalid}"]
     if case.duplicates:
         out.append("duplicates")
     if case.L > case.Skv:
@@ -70,18 +73,24 @@ def _emit(case: Case, tiles: dict | None) -> Case:
 @st.composite
 def cases(draw, *, dims=None, tiles: dict | None = None, max_b: int = 2, max_s: int = 24, max_skv: int = 48,
           max_h: int = 20, max_l: int = 40, sink_modes=SINK_MODES, topk_modes=TOPK_MODES,
-          invalid_modes=INVALID_MODES, max_work: int | None = None) -> Case:
+          invalid_modes=INVALID_MODES, max_work: int | None = None, pool=None) -> Case:
     """Draw a ``Case``.
 
     dims: (Dqk, Dv) pairs to choose from (default: small CPU sizes). tiles: the backend's declared
     ``head_group`` / ``query_chunk`` / ``topk_block``; sizes near one and two multiples of each are in the mix
     even past the limits. max_work caps B*S*H*L*Dqk (what the oracle pays): S is drawn first, then H and L
-    within what is left, so a large tile boundary is reached with small other sizes.
+    within what is left, so a large tile boundary is reached with small other sizes. pool: a
+    ``compile_keys.Pool``; its entry, drawn first, fixes the fields a backend's kernels compile on.
     """
     tiles = dict(tiles or {})
     hg, qc, tb = tiles.get("head_group"), tiles.get("query_chunk"), tiles.get("topk_block")
-    dqk, dv = draw(st.sampled_from(tuple(dims or SMALL_DIMS)))
-    b = draw(st.integers(1, max_b))
+    fixed = draw(st.sampled_from(pool.entries)) if pool else {}
+
+    def pick(field, strategy):
+        return draw(st.sampled_from(fixed[field]) if field in fixed else strategy)
+
+    dqk, dv = pick("dims", st.sampled_from(tuple(dims or SMALL_DIMS)))
+    b = pick("B", st.integers(1, max_b))
     work = max_work or 1 << 62
 
     def room(*sizes):  # the largest next size that keeps B*...*Dqk within the work cap
@@ -90,16 +99,21 @@ def cases(draw, *, dims=None, tiles: dict | None = None, max_b: int = 2, max_s: 
             used *= x
         return max(1, work // used)
 
-    s = draw(_size(min(max_s, room()), qc, reach=room()))
-    h_cap = min(max_h, room(s))
-    h = draw(st.one_of(st.integers(1, min(15, h_cap)), _size(h_cap, hg, reach=room(s))))
-    l_ = draw(_size(min(max_l, room(s, h)), tb, reach=room(s, h)))
-    skv = draw(st.integers(1, max_skv))
+    if "H" in fixed or "L" in fixed:  # the kernel sizes are the pool's: S gets what the work cap leaves
+        h = pick("H", st.one_of(st.integers(1, min(15, max_h)), _size(max_h, hg)))
+        l_ = pick("L", _size(min(max_l, room(h)), tb, reach=room(h)))
+        s = pick("S", _size(min(max_s, room(h, l_)), qc, reach=room(h, l_)))
+    else:
+        s = pick("S", _size(min(max_s, room()), qc, reach=room()))
+        h_cap = min(max_h, room(s))
+        h = draw(st.one_of(st.integers(1, min(15, h_cap)), _size(h_cap, hg, reach=room(s))))
+        l_ = draw(_size(min(max_l, room(s, h)), tb, reach=room(s, h)))
+    skv = pick("Skv", st.integers(1, max_skv))
     case = Case(
         B=b, S=s, Skv=skv, H=h, L=l_, Dqk=dqk, Dv=dv,
         sm_scale=draw(st.sampled_from([None, 0.5, 1.0 / 192**0.5])),
-        sink=draw(st.sampled_from(tuple(sink_modes))),
-        topk=draw(st.sampled_from(tuple(topk_modes))),
+        sink=pick("sink", st.sampled_from(tuple(sink_modes))),
+        topk=pick("topk", st.sampled_from(tuple(topk_modes))),
         invalid=draw(st.sampled_from(tuple(invalid_modes))),
         duplicates=draw(st.booleans()),
         order=draw(st.sampled_from(ORDERS)),
@@ -114,6 +128,11 @@ PRODUCTION_DIMS = contract.PRODUCTION_DIMS
 # NumPy oracle pays per case (B*S*H*L*Dqk; 8M is about 1 s for both float64 and float32 on one core).
 CPU_LIMITS = dict(max_b=2, max_s=24, max_skv=48, max_h=20, max_l=40, max_work=1_500_000)
 GPU_LIMITS = dict(max_b=2, max_s=64, max_skv=512, max_h=128, max_l=128, max_work=8_000_000)
+
+
+def device_limits(backend) -> dict:
+    """The default size limits for the backend's device (``GPU_LIMITS`` or ``CPU_LIMITS``)."""
+    return dict(GPU_LIMITS if getattr(backend, "device", "cpu") != "cpu" else CPU_LIMITS)
 
 
 def backend_dims(backend) -> tuple:
@@ -138,8 +157,7 @@ def cases_for(backend, **limits) -> st.SearchStrategy[Case]:
 
     ``limits`` override the per-device defaults (``CPU_LIMITS`` / ``GPU_LIMITS``) and any ``cases`` argument.
     """
-    gpu = getattr(backend, "device", "cpu") != "cpu"
-    kw = dict(GPU_LIMITS if gpu else CPU_LIMITS)
+    kw = device_limits(backend)
     kw.update(dims=backend_dims(backend), tiles=dict(getattr(backend, "tiles", None) or {}))
     kw.update(limits)
     supports = getattr(backend, "supports", None)
@@ -171,37 +189,28 @@ def cases_outside(backend, **limits) -> st.SearchStrategy[Case]:
 TILE_OF = {"H": "head_group", "S": "query_chunk", "L": "topk_block"}
 
 
-def boundary_examples(backend) -> dict[str, Case]:
-    """Each boundary class a backend's declared domain allows -> one small case in it (tiles > 2 only have
-    distinct below / on / above classes)."""
-    tiles = dict(getattr(backend, "tiles", None) or {})
-    dqk, dv = backend_dims(backend)[0]
-    base = Case(B=1, S=2, Skv=8, H=2, L=4, Dqk=dqk, Dv=dv)
-    want = {f"sink {m}": base.replace(sink=m) for m in SINK_MODES}
-    want |= {f"topk {m}": base.replace(topk=m) for m in TOPK_MODES}
-    want |= {f"invalid {m}": base.replace(invalid=m) for m in INVALID_MODES}
-    want |= {"H < 16": base.replace(H=1), "duplicates": base.replace(duplicates=True)}
-    for size, key in TILE_OF.items():
-        t = tiles.get(key, 0)
-        if t > 2:
-            for where, n in (("below", t - 1), ("on", t), ("above", t + 1)):
-                want[f"{size} {where} tile"] = base.replace(**{size: n})
-    supports = getattr(backend, "supports", None)
-    return {k: c for k, c in want.items() if not callable(supports) or supports(c) is None}
-
-
 # ---- the suite's strategy: cases for whichever backend the running test was given -----------------------------
-# The plugin puts the running test's backend here (in the pytest item's stash) before the test is called.
-BACKEND = pytest.StashKey[object]()
+@dataclass(frozen=True)
+class DrawPlan:
+    """What a suite test draws for: its backend, the compile pool (``compile_keys.Pool`` or None) and size
+    limits over the per-device defaults."""
+
+    backend: object
+    pool: object = None
+    limits: dict = field(default_factory=dict)
 
 
-def _running_backend():
-    """The backend of the pytest test whose Hypothesis test is drawing now, or None."""
-    # Hypothesis's pytest plugin records the item it is running; the backend is in that item's own stash
+# The plugin puts the running test's DrawPlan here (in the pytest item's stash) before the test is called.
+PLAN = pytest.StashKey[DrawPlan]()
+
+
+def _running_plan() -> DrawPlan | None:
+    """The plan of the pytest test whose Hypothesis test is drawing now, or None."""
+    # Hypothesis's pytest plugin records the item it is running; the plan is in that item's own stash
     from hypothesis.internal.escalation import current_pytest_item
 
     item = current_pytest_item.value
-    return None if item is None else item.stash.get(BACKEND, None)
+    return None if item is None else item.stash.get(PLAN, None)
 
 
 @st.composite
@@ -211,24 +220,28 @@ def backend_cases(draw, *, outside: bool = False, **limits) -> Case:
     Lets a test write ``@given(case=backend_cases())`` and take ``smqa_backend`` as a fixture, so a failing
     case prints (and patches in as ``@example(case=Case(...))``) on its own.
     """
-    backend = _running_backend()
-    if backend is None:
+    plan = _running_plan()
+    if plan is None:
         raise RuntimeError("backend_cases() draws for the backend of the test running it: use it in a test that "
                            "takes the smqa_backend fixture (sparse_mqa_testkit's pytest plugin)")
-    make = cases_outside if outside else cases_for
-    return draw(make(backend, **limits))
+    if outside:
+        return draw(cases_outside(plan.backend, **limits))
+    return draw(cases_for(plan.backend, pool=plan.pool, **{**plan.limits, **limits}))
 
 
-def draw_examples(strategy, n: int) -> list:
-    """The first ``n`` examples of a derandomized run of ``strategy`` (the same every time), outside @given."""
+def draw_examples(strategy, n: int, seed: int | None = None) -> list:
+    """The first ``n`` examples of a run of ``strategy`` outside @given: derandomized (the same every time), or
+    from ``seed``."""
     box: list = []
 
-    @settings(max_examples=n, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
+    @settings(max_examples=n, derandomize=seed is None, database=None, deadline=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
     @given(strategy)
     def grab(x):
         if len(box) < n:
             box.append(x)
 
+    if seed is not None:
+        grab = hypothesis_seed(seed)(grab)
     grab()
     return box

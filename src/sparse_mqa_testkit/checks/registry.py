@@ -50,10 +50,6 @@ CHECKS = {c.name: c for c in (
           "NaN in KV rows no valid slot names changes nothing; every output element written on every call"),
 )}
 
-# Not a check of cases but of the drawing: the suite's own test that the strategies reach every boundary class.
-COVERAGE = "boundary_coverage"
-
-
 def get_check(name: str) -> Check:
     """The registry entry for ``name`` (``check_tolerance`` and ``backward_tolerance`` name ``tolerance`` too)."""
     key = name.removeprefix("check_")

@@ -1,15 +1,24 @@
-"""Every check of the registry (``sparse_mqa_testkit.checks.CHECKS``) on cases drawn inside the backend's
-declared domain; the checks that judge refusals also on cases outside it; and the drawing's own coverage of
-the backend's boundary classes. The plugin parametrizes ``smqa_check`` over the registry and applies the
-selected profile's settings."""
+"""Every check of the registry (``sparse_mqa_testkit.checks.CHECKS``): first on explicit cases that visit every
+boundary class the backend's declared domain allows, then on cases Hypothesis draws inside that domain; and
+the checks that judge refusals also on cases outside it. The plugin parametrizes ``smqa_check`` over the
+registry and applies the selected profile's settings."""
 
 import pytest
 from hypothesis import example, given  # noqa: F401 (example: for reproducer patches)
 
 from sparse_mqa_testkit import Case, backend_cases  # noqa: F401 (Case: for @example(case=Case(...)) patches)
-from sparse_mqa_testkit.strategies import backend_dims, boundary_examples, case_events, cases_for, draw_examples
 
-COVERAGE_DRAWS = 300
+
+def test_check_boundaries(smqa_check, smqa_plan):
+    """Each boundary class once, as an explicit case; then what actually ran must cover every class the domain
+    allows (those it cannot reach are listed with the reason, in the table)."""
+    boundaries = smqa_plan.boundaries
+    smqa_check.recorder.unreachable = dict(boundaries.unreachable)
+    for case in boundaries.examples:
+        smqa_check(case)
+    missing = sorted(set(boundaries.classes) - set(smqa_check.recorder.coverage))
+    assert not missing, (f"{smqa_check}: the explicit cases never reached {', '.join(missing)}; they were "
+                         f"{[c.repro() for c in boundaries.examples]}")
 
 
 @given(case=backend_cases())
@@ -21,19 +30,3 @@ def test_check(smqa_check, case):
 @given(case=backend_cases(outside=True))
 def test_check_outside_domain(smqa_check, case):
     smqa_check(case)
-
-
-def test_boundary_coverage(smqa_backend, smqa_checks):
-    tiles = dict(getattr(smqa_backend, "tiles", None) or {})
-    drawn = draw_examples(cases_for(smqa_backend), COVERAGE_DRAWS)
-    dims = set(backend_dims(smqa_backend))
-    seen = set()
-    for case in drawn:
-        refused = smqa_backend.supports(case) if hasattr(smqa_backend, "supports") else None
-        assert refused is None, f"drew a case outside the domain ({refused}): {case.repro()}"
-        assert (case.Dqk, case.Dv) in dims, f"drew dims {(case.Dqk, case.Dv)} outside {sorted(dims)}"
-        seen.update(case_events(case, tiles))
-        smqa_checks.recorder.add_case(case)
-    missing = sorted(set(boundary_examples(smqa_backend)) - seen)
-    assert not missing, (f"{len(drawn)} cases drawn for backend {smqa_backend.name!r} (tiles {tiles}) never "
-                         f"reached: {', '.join(missing)}")
