@@ -144,6 +144,7 @@ class EmulatedKernel(BackendBase):
         valid, K, safe = _gather(q, kv, indices, topk_length)
         qf, do, V = q.float(), grad_out.float(), K[..., : dims.Dv]
         s2 = torch.matmul(qf, K.transpose(-1, -2)) * (sm_scale * LOG2E)
+        lse = torch.where(torch.isneginf(lse), math.inf, lse)  # the contract: -inf is an empty row's lse too
         lse2 = lse.float() if self.lse_is_base2 else lse.float() * LOG2E
         if attn_sink is not None:  # fold the sink in, base 2, as the forward kept it
             sk = (attn_sink.float() * LOG2E)[None, None, :].expand_as(lse2)

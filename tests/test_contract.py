@@ -142,3 +142,31 @@ def test_validate_sm_scale(bad, pattern):
     assert contract.validate_sm_scale(2) == 2.0
     with pytest.raises(ValueError, match=rf"^sm_scale must be {pattern}"):
         contract.validate_sm_scale(bad)
+
+
+# ---- an empty row's lse: +inf, and -inf taken as the same ------------------------------------------------------
+def test_neg_inf_lse_is_an_empty_row_like_pos_inf():
+    """-inf (the log of zero mass) gives what +inf gives: no sink mass, no kernel mass; never NaN, also with a
+    -inf sink (logaddexp(-inf, -inf) = -inf made sink - denominator NaN)."""
+    import torch
+
+    sink = np.array([0.3, -np.inf, np.inf], dtype=np.float32)
+    pos = np.full((1, 1, 3), np.inf, dtype=np.float32)
+    for lse in (pos, -pos):
+        p = contract.sink_probability(lse, sink)
+        assert np.array_equal(p, [[[0.0, 0.0, 1.0]]]), p
+        assert np.array_equal(contract.lse_to_base2(lse, sink), pos * np.float32(contract.LOG2E))
+        assert np.isposinf(contract.lse_to_base2(lse)).all()
+        t = contract.sink_probability(torch.from_numpy(lse), torch.from_numpy(sink))
+        assert torch.equal(t, torch.tensor([[[0.0, 0.0, 1.0]]]))
+
+
+def test_the_suite_hands_neg_inf_to_a_backward_for_empty_rows():
+    from sparse_mqa_testkit.backends.reference import ReferenceBackend
+    from sparse_mqa_testkit.cases import Case
+    from sparse_mqa_testkit.checks.inputs import backend_inputs
+
+    case = Case(S=6, invalid="empty_rows", sink="neg_inf", empty_lse="neg_inf", seed=3)
+    lse = backend_inputs(ReferenceBackend(), case)["lse"]
+    assert bool(lse.isneginf().any()) and not bool(lse.isposinf().any())
+    assert "empty_lse='neg_inf'" in case.repro() and "empty_lse=neg_inf" in case.describe()

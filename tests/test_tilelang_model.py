@@ -126,3 +126,12 @@ def test_fixed_point_sum_vs_float32_on_adversarial_magnitudes(span):
     # at least as accurate as float32 accumulation, and far below the bf16 output's half-ulp of the row
     assert fixed_err <= max(f32_err, 2.0**-40 * bound)
     assert fixed_err < 2.0**-9 * abs(exact) * 2.0**-8
+
+
+@pytest.mark.parametrize("sink", ["neg_inf", "mixed", "finite"])
+def test_neg_inf_lse_for_empty_rows_gives_finite_d_sink(sink):
+    """The backward's algorithm given -inf as an empty row's lse (cuDNN frontend's convention), also with -inf
+    sinks: zero gradients from those rows and a finite d_sink, within the tolerance model."""
+    case = Case(B=2, S=7, Skv=12, H=3, L=6, sink=sink, invalid="empty_rows", empty_lse="neg_inf", seed=21)
+    res = check_backward_tolerance(TileLangModelBackend(), case)
+    assert res.passed, res.message

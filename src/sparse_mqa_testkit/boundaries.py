@@ -34,6 +34,7 @@ def requirements(backend) -> dict[str, list[dict]]:
     req |= {f"topk {m}": [{"topk": m}] for m in TOPK_MODES}
     req |= {f"invalid {m}": [{"invalid": m}] for m in INVALID_MODES}
     req["duplicates"] = [{"duplicates": True}]
+    req["empty lse -inf"] = [{"empty_lse": "neg_inf", "invalid": "empty_rows"}]
     req["H < 16"] = [{"H": h} for h in H_SMALL]
     req["L > Skv"] = [{"Skv": 2, "L": 4}, {"Skv": 1, "L": 2}]
     for dqk, dv in backend_dims(backend):

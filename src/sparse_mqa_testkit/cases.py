@@ -19,6 +19,7 @@ SINK_MODES = ("none", "finite", "neg_inf", "pos_inf", "mixed")  # mixed: finite,
 TOPK_MODES = ("none", "random")  # random draws lengths in [0, L + 2], so 0 and > L both occur
 INVALID_MODES = ("none", "holes", "out_of_range", "tails", "empty_rows", "mixed")
 ORDERS = ("random", "sorted")
+EMPTY_LSE_MODES = ("pos_inf", "neg_inf")  # the lse a backward is given for an empty row: +inf, or -inf (zero mass)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Case:
     invalid: str = "none"
     duplicates: bool = False
     order: str = "random"
+    empty_lse: str = "pos_inf"
     seed: int = 0
 
     def __post_init__(self):
@@ -48,7 +50,7 @@ class Case:
         if self.Dv > self.Dqk:
             raise ValueError(f"Case.Dv must be <= Dqk = {self.Dqk}, got {self.Dv}")
         for name, allowed in (("sink", SINK_MODES), ("topk", TOPK_MODES), ("invalid", INVALID_MODES),
-                              ("order", ORDERS)):
+                              ("order", ORDERS), ("empty_lse", EMPTY_LSE_MODES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Case.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
@@ -71,9 +73,10 @@ class Case:
         return f"Case({fields})"
 
     def describe(self) -> str:
+        lse = "" if self.empty_lse == "pos_inf" else f" empty_lse={self.empty_lse}"
         return (f"B{self.B} S{self.S} Skv{self.Skv} H{self.H} L{self.L} {self.Dqk}/{self.Dv} "
                 f"sink={self.sink} topk={self.topk} invalid={self.invalid} dup={self.duplicates} "
-                f"order={self.order} seed={self.seed}")
+                f"order={self.order}{lse} seed={self.seed}")
 
     # ---- the arrays ------------------------------------------------------------------------------------------
     def inputs(self) -> dict:

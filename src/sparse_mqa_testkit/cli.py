@@ -3,6 +3,7 @@
     sparse-mqa-check [--backend NAME|module:attr] [--profile dev|ci|nightly] [--json PATH] [--database DIR]
     sparse-mqa-check --backend NAME --check CHECK --replay "Case(...)"     # replay one failure
     sparse-mqa-check --precompile DIR [--backend NAME]                    # fill kernel caches ahead
+    sparse-mqa-check --backend NAME --sanitize [memcheck,racecheck,...]   # boundary cases under compute-sanitizer
     sparse-mqa-check --profile nightly --budget SECONDS --out DIR         # nightly fuzzing (see nightly.py)
 
 The suite is ``sparse_mqa_testkit.property_tests`` run by pytest in a child process (a crashing kernel cannot
@@ -23,6 +24,7 @@ from .checks.registry import CHECKS
 from .nightly import run_nightly
 from .profiles import PROFILES
 from .runner import run_suite
+from .sanitize import TOOLS
 from .table import merged
 
 
@@ -38,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--check", metavar="NAME", choices=list(CHECKS),
                     help=f"only this check ({', '.join(CHECKS)}); with --replay, the check to replay")
     ap.add_argument("--replay", metavar='"Case(...)"', help="run --check once on this case and print the result")
+    ap.add_argument("--sanitize", nargs="?", const=",".join(TOOLS), metavar="TOOLS",
+                    help="run the backend's explicit boundary cases (or --replay's case) under compute-sanitizer, one "
+                         f"child process per tool (default {','.join(TOOLS)}); any finding fails")
     ap.add_argument("--precompile", metavar="DIR",
                     help="compile every kernel variant of the named backends (default: every installed backend "
                          "that can) into the cache directory DIR")
@@ -55,6 +60,8 @@ def main(argv=None) -> int:
     if args.precompile:
         return precompile(args.precompile, args.backend)
     backends = args.backend or [_default_backend()]
+    if args.sanitize:
+        return sanitize(backends, args.sanitize, args.profile, args.replay)
     if args.replay:
         if not args.check:
             print("sparse-mqa-check: --replay needs --check NAME", file=sys.stderr)
@@ -96,26 +103,68 @@ def _default_backend() -> str:
 def replay(backend_name: str, check: str, expr: str) -> int:
     """Run one check on one case (the line a failure message prints) and show its result."""
     from .backends import get_backend
-    from .cases import Case
     from .checks.registry import get_check
+    from .planning import call_warmup
 
-    try:
-        case = eval(expr, {"__builtins__": {}}, {"Case": Case, "inf": math.inf, "nan": math.nan})
-    except Exception as e:
-        print(f"sparse-mqa-check: --replay must be a Case(...) expression: {e}", file=sys.stderr)
-        return 2
-    if not isinstance(case, Case):
-        print(f"sparse-mqa-check: --replay must build a Case, got {type(case).__name__}", file=sys.stderr)
+    case = _case(expr)
+    if case is None:
         return 2
     backend = get_backend(backend_name)
-    if callable(getattr(backend, "warmup", None)):
-        backend.warmup()
+    call_warmup(backend, [case])
     result = get_check(check).function(backend, case)
     if result.passed:
         print(f"PASS: {check} on backend {backend_name}: worst ratio {result.ratio:.3g}\ncase: {case.describe()}")
         return 0
     print(result.message)
     return 1
+
+
+def _case(expr: str):
+    """A ``Case(...)`` expression as a Case, or None after saying why not."""
+    from .cases import Case
+
+    try:
+        case = eval(expr, {"__builtins__": {}}, {"Case": Case, "inf": math.inf, "nan": math.nan})
+    except Exception as e:
+        print(f"sparse-mqa-check: --replay must be a Case(...) expression: {e}", file=sys.stderr)
+        return None
+    if not isinstance(case, Case):
+        print(f"sparse-mqa-check: --replay must build a Case, got {type(case).__name__}", file=sys.stderr)
+        return None
+    return case
+
+
+def sanitize(backends, tools: str, profile, replay_expr=None) -> int:
+    """Each GPU backend's explicit boundary cases (or one replayed case) under compute-sanitizer."""
+    from . import sanitize as san
+    from .backends import get_backend
+    from .planning import compile_budget, plan_backend
+    from .profiles import profile_name
+
+    chosen = [t.strip() for t in tools.split(",") if t.strip()]
+    unknown = sorted(set(chosen) - set(san.TOOLS))
+    if unknown:
+        print(f"sparse-mqa-check: --sanitize {', '.join(unknown)}: choose from {', '.join(san.TOOLS)}",
+              file=sys.stderr)
+        return 2
+    rc = 0
+    for name in backends:
+        backend = get_backend(name)
+        if getattr(backend, "device", "cpu") == "cpu":
+            print(f"sanitize {name}: runs on the CPU: nothing for compute-sanitizer to check: NOT sanitized")
+            rc = max(rc, san.NOT_RUN)
+            continue
+        if replay_expr:
+            case = _case(replay_expr)
+            if case is None:
+                return 2
+            cases = [case]
+        else:
+            prof = profile_name(profile)
+            cases = list(plan_backend(backend, profile=prof, budget=compile_budget(None, prof)).boundaries.examples)
+        status = san.run(name, cases, chosen)
+        rc = 1 if 1 in (rc, status) else max(rc, status)
+    return rc
 
 
 def precompile(directory, names=None) -> int:

@@ -27,6 +27,8 @@ Forward, per row (b, i) and head h
     out   = sum_t P_t V[idx_t]
     Sink +inf gives out = 0; an empty row (no valid slot) gives out = 0, lse = +inf and no gradient.
     lse = +inf (not -inf) for empty rows is deliberate: exp(s - lse) is then 0 and the backward needs no branch.
+    A backward also takes -inf as an empty row's lse (the log of zero mass, cuDNN frontend's generic
+    convention) and treats it exactly as +inf: zero gradients from the row and nothing to d_sink.
 
 Backward, for cotangent dO
     Delta  = <dO, out>
@@ -242,8 +244,8 @@ def invalid_values(s_kv: int) -> dict[str, tuple[int, ...]]:
 def sink_probability(lse, attn_sink):
     """The sink's probability per [B, S, H]: exp(sink - logaddexp(lse, sink)), in the inputs' dtype.
 
-    A +inf sink takes all the mass (1); an empty row (lse = +inf) gives its sink none (0) unless the sink is
-    +inf too. NumPy arrays or torch tensors; attn_sink [H] broadcasts against lse [B, S, H].
+    A +inf sink takes all the mass (1); an empty row (lse = +inf, or -inf) gives its sink none (0) unless the
+    sink is +inf too. NumPy arrays or torch tensors; attn_sink [H] broadcasts against lse [B, S, H].
     """
     xp = _namespace(lse)
     if xp is np:
@@ -251,7 +253,7 @@ def sink_probability(lse, attn_sink):
     with np.errstate(invalid="ignore", over="ignore"):
         p = xp.exp(attn_sink - xp.logaddexp(lse, attn_sink))
         p = xp.where(xp.isposinf(attn_sink), 1.0, p)
-        return xp.where(xp.isposinf(lse) & ~xp.isposinf(attn_sink), 0.0, p)
+        return xp.where(xp.isinf(lse) & ~xp.isposinf(attn_sink), 0.0, p)
 
 
 # ---- the base-2, sink-folded LSE that TileLang kernels keep -------------------------------------------------
@@ -259,12 +261,13 @@ def sink_probability(lse, attn_sink):
 def lse_to_base2(lse, attn_sink=None):
     """Contract LSE (natural log, sink excluded, [B, S, H]) -> kernel LSE: log2(sum exp(s) + exp(sink)).
 
-    In the inputs' dtype (NumPy or torch). An empty row (lse = +inf) stays +inf, so exp2(s * log2e - lse2) is
-    0 in the kernel too; so does a row whose sink is +inf.
+    In the inputs' dtype (NumPy or torch). An empty row (lse = +inf, or -inf) becomes +inf, so
+    exp2(s * log2e - lse2) is 0 in the kernel too; so does a row whose sink is +inf.
     """
     xp = _namespace(lse)
     if xp is np:
         lse = np.asarray(lse)
+    lse = xp.where(xp.isneginf(lse), math.inf, lse)
     if attn_sink is not None:
         with np.errstate(invalid="ignore"):
             folded = xp.logaddexp(lse, attn_sink)

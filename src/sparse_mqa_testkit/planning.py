@@ -76,15 +76,16 @@ def plan_backend(backend, *, profile: str, budget: int, limits: dict | None = No
     return SuitePlan(DrawPlan(backend, pool, dict(limits or {})), boundaries, drawn)
 
 
-def warm_up(plan: SuitePlan) -> dict:
-    """Call the backend's optional ``warmup`` (with the plan's cases when it takes them); returns and records
-    {"seconds", "keys"}."""
-    backend = plan.draw.backend
+def call_warmup(backend, cases) -> None:
+    """The backend's optional ``warmup``, given ``cases`` when it takes them."""
     warmup = getattr(backend, "warmup", None)
-    cases = plan.warmup_cases()
-    t0 = time.monotonic()
     if callable(warmup):
-        takes_cases = bool(inspect.signature(warmup).parameters)
-        warmup(cases) if takes_cases else warmup()
+        warmup(list(cases)) if inspect.signature(warmup).parameters else warmup()
+
+
+def warm_up(plan: SuitePlan) -> dict:
+    """The backend's warm-up on the plan's cases, timed; returns and records {"seconds", "keys"}."""
+    t0 = time.monotonic()
+    call_warmup(plan.draw.backend, plan.warmup_cases())
     plan.compile = {"seconds": round(time.monotonic() - t0, 3), "keys": len(plan.pool) if plan.pool else None}
     return plan.compile

@@ -15,7 +15,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from . import contract
-from .cases import INVALID_MODES, ORDERS, SINK_MODES, TOPK_MODES, Case
+from .cases import EMPTY_LSE_MODES, INVALID_MODES, ORDERS, SINK_MODES, TOPK_MODES, Case
 
 # Small dims keep CPU runs fast; production dims are added when the backend asks for them.
 SMALL_DIMS = ((16, 8), (8, 8), (24, 16), (5, 3), (1, 1))
@@ -59,6 +59,8 @@ def case_events(case: Case, tiles: dict | None = None) -> list[str]:
     out += [f"dims {case.Dqk}/{case.Dv}", f"sink {case.sink}", f"topk {case.topk}", f"invalid {case.invalid}"]
     if case.duplicates:
         out.append("duplicates")
+    if case.empty_lse == "neg_inf":
+        out.append("empty lse -inf")
     if case.L > case.Skv:
         out.append("L > Skv")
     return out
@@ -117,6 +119,7 @@ def cases(draw, *, dims=None, tiles: dict | None = None, max_b: int = 2, max_s: 
         invalid=draw(st.sampled_from(tuple(invalid_modes))),
         duplicates=draw(st.booleans()),
         order=draw(st.sampled_from(ORDERS)),
+        empty_lse=draw(st.sampled_from(EMPTY_LSE_MODES)),
         seed=draw(st.integers(0, 2**32 - 1)),
     )
     return _emit(case, tiles)

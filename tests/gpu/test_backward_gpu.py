@@ -60,6 +60,9 @@ for _i, (_dims, _h, _l, _sink, _topk, _invalid, _dup) in enumerate([
                        invalid=_invalid, duplicates=_dup, seed=100 + _i))
 # L > Skv (every row referenced many times), and one tiny Skv
 _CASES.append(Case(B=1, S=7, Skv=5, H=33, L=40, Dqk=576, Dv=512, sink="finite", duplicates=True, seed=7))
+# -inf as an empty row's lse (cuDNN frontend's convention) with -inf sinks: zero gradients, finite d_sink
+_CASES.append(Case(B=2, S=13, Skv=300, H=64, L=70, Dqk=576, Dv=512, sink="mixed", invalid="empty_rows",
+                   empty_lse="neg_inf", seed=8))
 _IDS = [c.describe().replace(" ", "_") for c in _CASES]
 
 

@@ -48,13 +48,16 @@ def backend_inputs(backend, case) -> dict:
 
     Keys: q, kv, out, grad_out, lse, attn_sink, indices, topk_length (tensors or None), sm_scale, d_v.
     out and lse come from the float64 oracle forward, rounded to what a forward returns (out bfloat16, lse
-    float32, natural log, sink excluded).
+    float32, natural log, sink excluded); an empty row's lse is +inf, or -inf for ``case.empty_lse="neg_inf"``.
     """
     dev = getattr(backend, "device", "cpu")
     t = case_tensors(case, dev)
     f64 = oracle_results(case)["f64"]
+    lse = f64["lse"].astype(np.float32)
+    if case.empty_lse == "neg_inf":
+        lse = np.where(np.isposinf(lse), np.float32(-np.inf), lse)
     t["out"] = to_torch(round_bf16(f64["out"]), dev)
-    t["lse"] = to_torch(f64["lse"].astype(np.float32), dev)
+    t["lse"] = to_torch(lse, dev)
     return t
 
 
