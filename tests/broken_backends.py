@@ -315,3 +315,16 @@ BROKEN = {
     "stale_row": StaleRow,
     "mask_multiply": MaskMultiply,
 }
+
+# A second downstream module broken elsewhere (dkv doubled once the cache has 9 rows or more), for the tests of a
+# database two runners share: each must see the other's failure.
+DKV_DOUBLED_SOURCE = '''
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class Broken(ReferenceBackend):
+    name = "broken-dkv"
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        dq, dkv, ds = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
+                                       topk_length=topk_length)
+        return dq, (dkv * 2 if kv.shape[1] >= 9 else dkv), ds
+'''

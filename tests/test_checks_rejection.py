@@ -132,3 +132,52 @@ def test_outside_domain_must_be_refused():
     res = check_rejection(AnswersAnyway(), Case())
     assert not res.passed and "outside the declared domain" in res.message
     assert "returned a result, expected ValueError" in res.message
+
+
+class ScratchGradOut(ReferenceBackend):
+    """Uses grad_out as scratch and puts it back: the values are as they were, the writes are not."""
+
+    name = "scratch-grad-out"
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        res = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length)
+        saved = grad_out.clone()
+        grad_out.mul_(2)
+        grad_out.copy_(saved)
+        return res
+
+
+def test_a_write_that_restores_the_values_is_still_a_write():
+    res = check_rejection(ScratchGradOut(), Case(S=2, seed=6))
+    assert not res.passed
+    assert ("valid backward call modified the caller's grad_out (written in place: its version counter went "
+            "from 0 to 2, its values are as they were)") in res.message
+
+
+class OverwritesQ(ReferenceBackend):
+    name = "overwrites-q"
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        res = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length)
+        q[0, 1, 0, 3] = 7.0
+        return res
+
+
+def test_an_in_place_change_names_the_count_and_the_first_index():
+    res = check_rejection(OverwritesQ(), Case(S=2, seed=6))
+    assert re.search(r"valid backward call modified the caller's q \(1 / \d+ elements changed, first at index "
+                     r"\(0, 1, 0, 3\): was [-\d.e]+, now 7\)", res.message), res.message
+
+
+class CrashesOnEverything(ReferenceBackend):
+    name = "crashes"
+
+    def backward(self, *args, **kwargs):
+        raise TypeError("no such thing")
+
+
+def test_one_repeated_exception_is_reported_once_with_its_count():
+    res = check_rejection(CrashesOnEverything(), Case(S=2, seed=6))
+    lines = [line for line in res.message.splitlines() if "no such thing" in line and "bad inputs" in line]
+    assert len(lines) == 1 and re.search(r"\d\d bad inputs \(q_float16, q_float32, kv_float16, kv_float32, "
+                                         r"\.\.\.\) each raised TypeError: no such thing", lines[0]), res.message

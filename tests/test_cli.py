@@ -149,3 +149,14 @@ def test_a_main_job_that_checked_nothing_fails(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the child sees no GPU, whatever this machine has
     assert cli.main(["--backend", "gpuonly:OnGpu", "--check", "guards"]) == 1
     assert "nothing was checked: backend 'gpuonly:OnGpu' (device cuda) needs a CUDA GPU" in capfd.readouterr().out
+
+
+def test_list_backends_says_where_each_comes_from_and_whether_it_loads(capsys):
+    assert cli.main(["--list-backends"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["name", "origin", "device", "loads", "here"]
+    rows = {line.split()[0]: line for line in out[1:]}
+    assert "built-in" in rows["reference"] and rows["reference"].rstrip().endswith("yes")
+    assert "entry point sparse_mqa_kernels.backends:TileLangModelBackend" in rows["tilelang-model"]
+    # a backend whose optional packages are absent says which, instead of failing the listing
+    assert all(r.rstrip().endswith("yes") or " no: " in r for r in rows.values())

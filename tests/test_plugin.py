@@ -31,6 +31,19 @@ class OnGpu(ReferenceBackend):
 
 def needs_missing_package():
     import no_such_kernel_package  # noqa: F401
+
+class NeedsOptionalPackage(ReferenceBackend):
+    name = "optional"
+    def require(self):
+        from sparse_mqa_testkit import MissingDependency
+        raise MissingDependency("the optional backend needs fancylib: pip install fancylib")
+'''
+
+IMPORT_TYPO = '''
+from sparse_mqa_testkit.backends.reference import ReferenceBacknd  # the typo
+
+class Backend(ReferenceBacknd):
+    name = "typo"
 '''
 
 DOWNSTREAM_TEST = '''
@@ -114,8 +127,47 @@ def test_bad_options_are_usage_errors(downstream):
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     r.stderr.fnmatch_lines(["*--smqa-profile*invalid choice*"])
     r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--smqa-backend", "nosuchbackend", "-k", "property")
-    assert r.ret != 0
-    r.stdout.fnmatch_lines(["*unknown backend 'nosuchbackend'*"])
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    # once, as a usage error: not a fixture-setup traceback per test
+    assert r.stderr.str().count("unknown backend 'nosuchbackend'") == 1
+    assert "known: " in r.stderr.str() and r.stdout.str().count("nosuchbackend") <= 1
+
+
+def test_a_backend_that_fails_to_import_is_an_error_with_where_it_broke(downstream):
+    downstream.makepyfile(typo=IMPORT_TYPO)
+    for route in (["--smqa-backend", "typo:Backend"], ["--pyargs", "sparse_mqa_testkit.property_tests",
+                                                       "--smqa-backend", "typo:Backend"]):
+        r = downstream.runpytest_inprocess("-p", "no:cacheprovider", *route)
+        assert r.ret == pytest.ExitCode.USAGE_ERROR, r.stdout.str()
+        err = r.stderr.str()
+        assert "--smqa-backend typo:Backend: loading it raised ImportError: cannot import name 'ReferenceBacknd'" in err
+        assert "typo.py:" in err  # the user's own frame
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--smqa-backend", "mykernels:needs_missing_package")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR and "No module named 'no_such_kernel_package'" in r.stderr.str()
+
+
+def test_a_missing_optional_package_skips_only_when_allowed(downstream):
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--smqa-backend", "mykernels:NeedsOptionalPackage")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert "fancylib" in r.stderr.str() and "--smqa-allow-missing" in r.stderr.str()
+    r = downstream.runpytest_inprocess("-rs", "-p", "no:cacheprovider", "--smqa-backend",
+                                       "mykernels:NeedsOptionalPackage", "--smqa-allow-missing")
+    r.assert_outcomes(skipped=4)
+    r.stdout.fnmatch_lines(["*skipped (--smqa-allow-missing): the optional backend needs fancylib*"])
+
+
+@pytest.mark.parametrize("env, value, allowed", [("SMQA_PROFILE", "bogus", "dev, ci, nightly"),
+                                                 ("SMQA_MAX_EXAMPLES", "abc", "positive integer"),
+                                                 ("SMQA_LIMITS", "Q=3", "B, S, Skv, H, L, work")])
+def test_environment_typos_are_usage_errors_only_where_the_suite_is_used(downstream, monkeypatch, env, value,
+                                                                          allowed):
+    monkeypatch.setenv(env, value)
+    downstream.makepyfile(test_unrelated="def test_plain():\n    assert True\n")
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "test_unrelated.py")
+    assert r.ret == pytest.ExitCode.OK  # a repo that does not use the suite is left alone
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "test_down.py")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert env in r.stderr.str() and allowed in r.stderr.str() and "INTERNALERROR" not in r.stdout.str()
 
 
 @NO_CUDA
@@ -127,12 +179,10 @@ def test_skip_reasons_on_a_cpu_only_machine(downstream):
         def test_needs_gpu():
             raise AssertionError("must not run without CUDA")
     ''')
-    r = downstream.runpytest_inprocess("-rs", "-p", "no:cacheprovider", "--smqa-backend", "mykernels:OnGpu",
-                                       "--smqa-backend", "mykernels:needs_missing_package")
-    r.assert_outcomes(skipped=1 + 2 * 4)
+    r = downstream.runpytest_inprocess("-rs", "-p", "no:cacheprovider", "--smqa-backend", "mykernels:OnGpu")
+    r.assert_outcomes(skipped=1 + 4)
     r.stdout.fnmatch_lines([
         "*backend 'mykernels:OnGpu' (device cuda) needs a CUDA GPU*",
-        "*backend 'mykernels:needs_missing_package' unavailable: No module named 'no_such_kernel_package'*",
         "*this test needs a CUDA GPU: torch.cuda.is_available() is False*"])
     r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--smqa-require-gpu", "test_gpu.py")
     r.assert_outcomes(errors=1)  # fails in setup: the test itself never runs
@@ -197,3 +247,111 @@ def test_profiles_apply_to_the_suite_only():
     assert Phase.target not in profiles.profile_settings("dev").phases
     with pytest.raises(ValueError, match="profile must be one of"):
         profiles.profile_settings("fast")
+
+
+SLOW_BACKEND = '''
+import time
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class Slow(ReferenceBackend):
+    name = "slow"
+    def backward(self, *args, **kwargs):
+        time.sleep(0.3)  # past Hypothesis's default 200 ms deadline
+        return super().backward(*args, **kwargs)
+'''
+
+NO_SETTINGS_TEST = '''
+from hypothesis import given
+from sparse_mqa_testkit import backend_cases
+
+@given(case=backend_cases())
+def test_mine(smqa_checks, case):
+    smqa_checks.tolerance(case)
+'''
+
+
+def test_a_downstream_given_test_gets_the_profile_without_asking(downstream, tmp_path):
+    downstream.makepyfile(slowkernels=SLOW_BACKEND, test_mine=NO_SETTINGS_TEST)
+    out = tmp_path / "r.json"
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "test_mine.py", "--smqa-backend",
+                                       "slowkernels:Slow", "--smqa-json", str(out))
+    r.assert_outcomes(passed=1)  # no DeadlineExceeded: the profile has no deadline
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["check"] == "mine" and row["cases"] == 2  # SMQA_MAX_EXAMPLES=2 from the profile
+
+
+def test_fixture_rows_are_labelled_per_case(downstream, tmp_path):
+    out = tmp_path / "r.json"
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "-k", "fixtures", "--smqa-backend", "reference",
+                                       "--smqa-json", str(out))
+    r.assert_outcomes(passed=3)
+    assert sorted(x["check"] for x in json.loads(out.read_text())["rows"]) == \
+        ["fixtures[case0]", "fixtures[case1]", "fixtures[case2]"]
+
+
+def test_examples_are_keyed_per_backend(downstream, monkeypatch, tmp_path):
+    """A failure one backend saved is not replayed on another: the same bug under a second name, run with the
+    same database and one derandomized example (which passes on its own), passes."""
+    downstream.makepyfile(alias=DQ_DOUBLED_SOURCE + "\nclass Alias(Broken):\n    name = 'alias'\n")
+    db = tmp_path / "db"
+    monkeypatch.setenv("SMQA_MAX_EXAMPLES", "30")
+    args = ["-p", "no:cacheprovider", "--pyargs", "sparse_mqa_testkit.property_tests", "--smqa-database", str(db),
+            "--smqa-check", "tolerance", "-k", "not boundaries"]
+    r = downstream.runpytest_inprocess(*args, "--smqa-backend", "alias:Broken")
+    r.assert_outcomes(failed=1)
+    monkeypatch.setenv("SMQA_MAX_EXAMPLES", "1")
+    r = downstream.runpytest_inprocess(*args, "--smqa-backend", "alias:Broken")
+    r.assert_outcomes(failed=1)  # its own failure replays from the database
+    r = downstream.runpytest_inprocess(*args, "--smqa-backend", "alias:Alias")
+    r.assert_outcomes(passed=1)  # not the other backend's
+
+
+PLANTED_TAIL = '''
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class DropsTail(ReferenceBackend):
+    """Declares no tiles, and drops every top-k slot past the first block of 64."""
+    name = "drops-tail"
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        idx = indices.clone()
+        idx[..., 64:] = -1
+        return super().backward(q, kv, out, grad_out, lse, attn_sink, idx, sm_scale, topk_length=topk_length)
+'''
+
+
+def test_an_undeclared_tile_bug_is_found_on_cpu_and_the_report_says_tiles_are_missing(downstream, monkeypatch):
+    from sparse_mqa_testkit import cli
+
+    downstream.makepyfile(tailkernels=PLANTED_TAIL)
+    monkeypatch.setenv("PYTHONPATH", f"{downstream.path}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    monkeypatch.chdir(downstream.path)
+    assert cli.main(["--backend", "tailkernels:DropsTail", "--profile", "ci", "--check", "tolerance"]) == 1
+
+
+LONG_TOPK = '''
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class LongTopk(ReferenceBackend):
+    """dq doubled for 100 <= L <= 120: past the CPU limit (40) and away from every common tile size."""
+    name = "long-topk"
+    tiles = {"head_group": 16, "query_chunk": 8, "topk_block": 16}
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        dq, dkv, ds = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
+                                       topk_length=topk_length)
+        return (dq * 2 if 100 <= indices.shape[2] <= 120 else dq), dkv, ds
+'''
+
+
+def test_limits_are_raised_from_outside(downstream, monkeypatch):
+    from sparse_mqa_testkit.limits import parse_limits
+
+    assert parse_limits("L=130, H=20,work=9000000") == {"max_l": 130, "max_h": 20, "max_work": 9_000_000}
+    with pytest.raises(ValueError, match=r"--smqa-limits: 'Q=3' is not SIZE=N with SIZE one of B, S, Skv, H, L"):
+        parse_limits("Q=3")
+    downstream.makepyfile(longkernels=LONG_TOPK)
+    monkeypatch.setenv("SMQA_MAX_EXAMPLES", "40")
+    args = ["-p", "no:cacheprovider", "--pyargs", "sparse_mqa_testkit.property_tests", "--smqa-check", "tolerance",
+            "--smqa-profile", "ci", "--smqa-backend", "longkernels:LongTopk"]
+    downstream.runpytest_inprocess(*args).assert_outcomes(passed=2)  # never drawn within the default limits
+    r = downstream.runpytest_inprocess(*args, "--smqa-limits", "L=130,work=9000000")
+    r.assert_outcomes(passed=1, failed=1)

@@ -15,6 +15,7 @@ from .cases import INVALID_MODES, SINK_MODES, TOPK_MODES, Case
 from .strategies import TILE_OF, backend_dims, case_events
 
 H_SMALL = (1, 2, 15)  # "H < 16": the smallest the domain allows
+UNDECLARED_TILE = 64  # the one of the common tile sizes an explicit case visits for a tile not declared
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ def requirements(backend) -> dict[str, list[dict]]:
     for dqk, dv in backend_dims(backend):
         req[f"dims {dqk}/{dv}"] = [{"Dqk": dqk, "Dv": dv}]
     for size, key in TILE_OF.items():
-        t = tiles.get(key, 0)
+        t = tiles.get(key) or UNDECLARED_TILE
         if t > 2:  # below / on / above are distinct classes only for tiles > 2
             for where, n in (("below", t - 1), ("on", t), ("above", t + 1)):
                 req[f"{size} {where} tile"] = [{size: n}]

@@ -43,6 +43,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sanitize", nargs="?", const=",".join(TOOLS), metavar="TOOLS",
                     help="run the backend's explicit boundary cases (or --replay's case) under compute-sanitizer, one "
                          f"child process per tool (default {','.join(TOOLS)}); any finding fails")
+    ap.add_argument("--list-backends", action="store_true",
+                    help="list the backends this machine knows: name, origin, device, and whether each loads here")
+    ap.add_argument("--allow-missing", action="store_true",
+                    help="skip a backend whose optional packages are not installed instead of failing")
+    ap.add_argument("--limits", metavar="SIZE=N,...", help="drawn size limits, e.g. L=130,H=20 (B, S, Skv, H, "
+                    "L, work)")
+    ap.add_argument("--compile-budget", type=int, metavar="N",
+                    help="kernel keys a backend that declares compile_keys may compile in the run")
     ap.add_argument("--precompile", metavar="DIR",
                     help="compile every kernel variant of the named backends (default: every installed backend "
                          "that can) into the cache directory DIR")
@@ -57,6 +65,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     extra = [a for a in args.pytest_args if a != "--"]
+    if args.list_backends:
+        return list_backends()
+    if args.allow_missing:
+        extra = ["--smqa-allow-missing", *extra]
+    if args.limits:
+        extra = ["--smqa-limits", args.limits, *extra]
+    if args.compile_budget is not None:
+        extra = ["--smqa-compile-budget", str(args.compile_budget), *extra]
     if args.precompile:
         return precompile(args.precompile, args.backend)
     backends = args.backend or [_default_backend()]
@@ -90,8 +106,16 @@ def main(argv=None) -> int:
           f"{time.monotonic() - t0:.0f} s{split}")
     for r in failed:
         if r.get("failure"):
-            print(f"  replay: {r['failure']['repro']}")
+            print(f"  replay: {r['failure']['repro']}{_ratios(r['failure'])}")
     return rc
+
+
+def _ratios(failure: dict) -> str:
+    """The shrunk case's ratio beside the highest the search saw: shrinking keeps a failure, not its size."""
+    shrunk, top = failure.get("ratio"), failure.get("highest_ratio")
+    if top is None or shrunk is None or top <= shrunk:
+        return ""
+    return f"  (ratio {shrunk:.3g}; the search saw up to {top:.3g})"
 
 
 def _default_backend() -> str:
@@ -117,6 +141,19 @@ def replay(backend_name: str, check: str, expr: str) -> int:
         return 0
     print(result.message)
     return 1
+
+
+def list_backends() -> int:
+    from .backends.registry import describe_backends
+
+    rows = describe_backends()
+    head = ("name", "origin", "device", "loads here")
+    cells = [head] + [(r["name"], r["origin"], r["device"], "yes" if r["loads"] else f"no: {r['reason']}")
+                      for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(3)]
+    for c in cells:
+        print("  ".join(x.ljust(w) for x, w in zip(c[:3], widths)) + "  " + c[3])
+    return 0
 
 
 def _case(expr: str):

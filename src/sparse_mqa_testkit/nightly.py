@@ -30,7 +30,7 @@ def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None
                 extra=()) -> int:
     out = Path(out or "nightly-out").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    database = Path(database or os.environ.get(profiles.DATABASE_ENV) or out / "examples").resolve()
+    database = nightly_database(database or os.environ.get(profiles.DATABASE_ENV), out)
     ledger = Path(ledger or out / "ledger.json")
     start = time.monotonic()
     deadline = start + budget
@@ -76,6 +76,15 @@ def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None
     return 1 if failed_rows else 0
 
 
+def nightly_database(spec, out: Path) -> str:
+    """The nightly's example database: the spec's directories (else OUT/examples) and its Redis URLs, shared by
+    every runner pointed at the same server."""
+    parts = [x.strip() for x in str(spec or "").split(",") if x.strip()]
+    urls = [x for x in parts if "://" in x]
+    dirs = [str(Path(x).resolve()) for x in parts if x not in urls] or [str((out / "examples").resolve())]
+    return ",".join(dirs + urls)
+
+
 def _merge(classes: dict, rows: list[dict]) -> None:
     for r in rows:
         merge_coverage(classes.setdefault(r["backend"], {}).setdefault(r["check"], {}), r.get("coverage") or {})
@@ -90,7 +99,11 @@ def write_reproducer(out: Path, row: dict) -> Path:
     lines = [f"# {row['check']} failed on backend {row['backend']} "
              f"({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC), test {row.get('nodeid', '-')}"]
     if fail:
-        lines += ["", "# replay (one line):", fail["repro"], "",
+        top = fail.get("highest_ratio")
+        lines += ["", "# replay (one line):", fail["repro"]]
+        if top is not None and fail.get("ratio") is not None and top > fail["ratio"]:
+            lines.append(f"# this shrunk case scores {fail['ratio']:.3g}; the search saw up to {top:.3g}")
+        lines += ["",
                   "# regression: add above the failing @given test (sparse_mqa_testkit.property_tests or your own),",
                   "# with `from hypothesis import example` and `from sparse_mqa_testkit import Case`:",
                   f"@example(case={fail['case']})", "", "# failure:", fail["message"]]

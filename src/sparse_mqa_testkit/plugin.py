@@ -37,6 +37,7 @@ import pytest
 from . import gpu_workers, profiles
 
 BACKEND_ENV = "SMQA_BACKEND"
+LIMITS_ENV = "SMQA_LIMITS"
 SUITE_PACKAGE = "sparse_mqa_testkit.property_tests"
 FIXTURES = ("smqa_backend", "smqa_case", "smqa_checks", "smqa_check")
 _STATE = pytest.StashKey[dict]()
@@ -50,8 +51,9 @@ def pytest_addoption(parser):
                      f"default ${BACKEND_ENV} or the machine's default backend)")
     g.addoption("--smqa-profile", choices=profiles.PROFILES, default=None,
                 help=f"Hypothesis profile for the suite (default ${profiles.PROFILE_ENV} or dev)")
-    g.addoption("--smqa-database", default=None, metavar="DIR",
-                help=f"Hypothesis example database directory (default ${profiles.DATABASE_ENV})")
+    g.addoption("--smqa-database", default=None, metavar="DIR|redis://HOST:PORT[/DB]",
+                help="Hypothesis example database: directories and Redis URLs, comma-separated, all read and "
+                     f"written (default ${profiles.DATABASE_ENV}, else ./.hypothesis/smqa)")
     g.addoption("--smqa-check", action="append", default=[], metavar="NAME",
                 help="run only these checks of the suite (repeatable; the names of "
                      "sparse_mqa_testkit.checks.CHECKS)")
@@ -62,6 +64,12 @@ def pytest_addoption(parser):
                 help="write the conformance table (per test: cases, worst ratio, coverage, failure) as JSON")
     g.addoption("--smqa-require-gpu", action="store_true",
                 help="fail gpu-marked tests and CUDA backends when CUDA is absent instead of skipping them")
+    g.addoption("--smqa-allow-missing", action="store_true",
+                help="skip a backend whose optional packages are not installed (MissingDependency) instead of "
+                     "failing the run; a backend that fails to import for any other reason is always an error")
+    g.addoption("--smqa-limits", default=None, metavar="SIZE=N,...",
+                help="raise or lower the drawn size limits: B, S, Skv, H, L (largest size) and work "
+                     f"(B*S*H*L*Dqk); default ${LIMITS_ENV}, e.g. L=130,H=20")
 
 
 def _check_names() -> list[str]:
@@ -95,22 +103,93 @@ def pytest_configure(config):
     config.pluginmanager.register(_Reports(config.stash[_STATE]), "smqa-reports")
 
 
-def _selected(config) -> dict:
-    """Backends and profile of the run, resolved on first use (so an unrelated repo never pays or fails)."""
+def _names(config) -> list[str]:
     state = config.stash[_STATE]
     if "names" not in state:
-        try:
-            state["profile"] = profiles.select(config.getoption("smqa_profile"), config.getoption("smqa_database"))
-        except ValueError as e:
-            raise pytest.UsageError(f"sparse-mqa-testkit: {e}") from None
         state["names"] = backend_names(config)
-        wanted = [c.removeprefix("check_") for c in config.getoption("smqa_check")]
-        unknown = sorted(set(wanted) - set(_check_names()))
-        if unknown:
-            raise pytest.UsageError(f"--smqa-check {', '.join(unknown)}: not a check; choose from "
-                                    f"{', '.join(_check_names())}")
-        state["checks"] = wanted
+    return state["names"]
+
+
+def _selected(config) -> dict:
+    """The run's profile, checks, limits and backends, validated on first use (so that an unrelated repo never
+    pays or fails): pytest.UsageError naming what is wrong, once."""
+    state = config.stash[_STATE]
+    if "error" in state:
+        raise pytest.UsageError(state["error"])
+    if "profile" in state:
+        return state
+    try:
+        _validate(config, state)
+    except pytest.UsageError as e:
+        state["error"] = str(e)
+        raise
     return state
+
+
+def _validate(config, state: dict) -> None:
+    from .limits import parse_limits
+    from .planning import compile_budget
+
+    try:
+        profile = profiles.select(config.getoption("smqa_profile"), config.getoption("smqa_database"))
+        state["limits"] = parse_limits(config.getoption("smqa_limits") or os.environ.get(LIMITS_ENV, ""),
+                                       where="--smqa-limits" if config.getoption("smqa_limits") else LIMITS_ENV)
+        state["budget"] = compile_budget(config.getoption("smqa_compile_budget"), profile)
+    except ValueError as e:
+        raise pytest.UsageError(f"sparse-mqa-testkit: {e}") from None
+    wanted = [c.removeprefix("check_") for c in config.getoption("smqa_check")]
+    unknown = sorted(set(wanted) - set(_check_names()))
+    if unknown:
+        raise pytest.UsageError(f"--smqa-check {', '.join(unknown)}: not a check; choose from "
+                                f"{', '.join(_check_names())}")
+    state["checks"] = wanted
+    state["missing"] = {}
+    for name in _names(config):
+        _load(config, state, name, profile)
+    state["profile"] = profile
+
+
+def _load(config, state: dict, name: str, profile: str) -> None:
+    """Load and plan one backend, or raise pytest.UsageError saying why it cannot be (a missing optional package
+    is a skip with --smqa-allow-missing)."""
+    from .backends import BackendNotFound, MissingDependency, get_backend
+    from .checks.result import exception_summary
+    from .planning import plan_backend
+
+    try:
+        backend = get_backend(name)
+        require = getattr(backend, "require", None)
+        if callable(require):
+            require()
+    except BackendNotFound as e:
+        raise pytest.UsageError(f"--smqa-backend {name}: {e}") from None
+    except MissingDependency as e:
+        if config.getoption("smqa_allow_missing"):
+            state["missing"][name] = str(e)
+            return
+        raise pytest.UsageError(f"--smqa-backend {name}: {e}\n(pass --smqa-allow-missing to skip its tests "
+                                "instead)") from None
+    except Exception as e:  # a broken backend module is an error, with where it broke: never a skip
+        raise pytest.UsageError(f"--smqa-backend {name}: loading it raised {exception_summary(e, frames=6)}") \
+            from None
+    try:
+        state["plans"][name] = plan_backend(backend, profile=profile, budget=state["budget"],
+                                            limits=state["limits"])
+    except ValueError as e:
+        raise pytest.UsageError(f"--smqa-backend {name}: {e}") from None
+    state["backends"][name] = backend
+
+
+def _explicit(config) -> bool:
+    """The run names backends itself (option or environment): it means to use the suite."""
+    return bool(config.getoption("smqa_backend") or os.environ.get(BACKEND_ENV))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    # the xdist controller collects nothing: it validates here, once, for a run that names its backends
+    if getattr(session.config, "workerinput", None) is None and _explicit(session.config):
+        _selected(session.config)
 
 
 # ---- xdist: one worker per GPU, each pinned ------------------------------------------------------------------
@@ -162,15 +241,14 @@ def pytest_report_header(config):
     if getattr(config, "workerinput", None) is not None:
         return None
     try:
-        state = _selected(config)
-    except pytest.UsageError as e:  # reported as a usage error once a suite test or fixture is used
+        profile = profiles.profile_name(config.getoption("smqa_profile"))
+        chosen = profiles.profile_settings(profile, config.getoption("smqa_database"))
+    except ValueError as e:  # a usage error once a suite test or fixture is used; nothing else here
         return [f"sparse-mqa-testkit: {e}"]
     import torch
 
-    db = profiles.active().database
-    return [f"sparse-mqa-testkit: backends {', '.join(state['names'])}; profile {state['profile']} "
-            f"({profiles.active().max_examples} examples/test, database "
-            f"{getattr(db, 'path', None) or 'none'})",
+    return [f"sparse-mqa-testkit: backends {', '.join(_names(config))}; profile {profile} "
+            f"({chosen.max_examples} examples/test, database {profiles.describe_database(chosen.database)})",
             f"{_gpus_line()}; CUDA {torch.version.cuda or 'absent'}; torch {torch.__version__}; "
             f"tilelang {_version('tilelang')}; cudnn-frontend {_version('nvidia-cudnn-frontend')}; "
             f"TILELANG_CACHE_DIR {os.environ.get('TILELANG_CACHE_DIR', 'unset')}"]
@@ -180,10 +258,10 @@ def pytest_report_header(config):
 def pytest_generate_tests(metafunc):
     if not any(f in metafunc.fixturenames for f in FIXTURES):
         return
-    state = _selected(metafunc.config)
+    names = _names(metafunc.config)
     own = {a for m in metafunc.definition.iter_markers("parametrize") for a in _argnames(m)}
     if "smqa_backend" not in own:
-        metafunc.parametrize("smqa_backend", state["names"], ids=state["names"], indirect=True, scope="session")
+        metafunc.parametrize("smqa_backend", names, ids=names, indirect=True, scope="session")
     if "smqa_check" in metafunc.fixturenames and "smqa_check" not in own:
         from .checks.registry import CHECKS
 
@@ -212,6 +290,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
     if not any(_uses_suite(i) for i in items):
         return
+    if getattr(config, "workerinput", None) is not None:
+        try:  # an xdist worker cannot stop the run cleanly: the suite's fixtures report the error instead
+            _selected(config)
+        except pytest.UsageError:
+            return
     wanted = _selected(config)["checks"]
     if not wanted:
         return
@@ -249,40 +332,29 @@ def _no_gpu(config, what: str):
 @pytest.fixture(scope="session")
 def smqa_backend(request):
     """The backend under test (one per ``--smqa-backend``), planned and warmed up once per worker."""
-    from .backends import BackendNotFound, get_backend
-
-    state = _selected(request.config)
-    name = getattr(request, "param", None) or state["names"][0]
-    if name not in state["backends"]:
-        try:
-            backend = get_backend(name)
-        except BackendNotFound as e:
-            raise pytest.UsageError(f"--smqa-backend {name}: {e}") from None
-        except ImportError as e:
-            pytest.skip(f"backend {name!r} unavailable: {e} (a package it needs is not installed)")
-        if getattr(backend, "device", "cpu") != "cpu" and not _cuda_available():
-            _no_gpu(request.config, f"backend {name!r} (device {backend.device})")
-        state["plans"][name] = _plan(request.config, name, backend)
-        state["backends"][name] = backend
-    return state["backends"][name]
-
-
-def _plan(config, name: str, backend):
-    """The backend's plan (boundary examples, compile pool), and its warm-up: each pooled key compiled once,
-    before any check, timed apart from the checks."""
-    from .planning import compile_budget, plan_backend, warm_up
-
-    profile = _selected(config)["profile"]
     try:
-        plan = plan_backend(backend, profile=profile,
-                            budget=compile_budget(config.getoption("smqa_compile_budget"), profile))
-    except ValueError as e:
-        raise pytest.UsageError(f"--smqa-backend {name}: {e}") from None
+        state = _selected(request.config)
+    except pytest.UsageError as e:
+        pytest.fail(str(e), pytrace=False)
+    name = getattr(request, "param", None) or state["names"][0]
+    if name in state["missing"]:
+        pytest.skip(f"backend {name!r} skipped (--smqa-allow-missing): {state['missing'][name]}")
+    backend = state["backends"][name]
+    if getattr(backend, "device", "cpu") != "cpu" and not _cuda_available():
+        _no_gpu(request.config, f"backend {name!r} (device {backend.device})")
+    if not state["plans"][name].compile:
+        _warm_up(request.config, name, state["plans"][name])
+    return backend
+
+
+def _warm_up(config, name: str, plan) -> None:
+    """Each pooled kernel key compiled once, before any check, timed apart from the checks."""
+    from .planning import warm_up
+
     done = warm_up(plan)
     keys = f"{done['keys']} pooled kernel keys" if done["keys"] else "no compile keys declared"
     _say(config)(f"[smqa] warm-up {name}: {keys}, {done['seconds']:.1f} s")
     config.stash[_STATE].setdefault("compile", {})[name] = done
-    return plan
 
 
 @pytest.fixture(scope="session")
@@ -315,6 +387,8 @@ def _recorder(item):
         check = params.get("smqa_check") or item.originalname.removeprefix("test_")
         if params.get("smqa_check") and item.get_closest_marker("smqa_outside_domain") is not None:
             check += "_outside_domain"
+        if "smqa_case" in params:
+            check += f"[case{params['smqa_case']}]"
         rec = Recorder(check=check, backend=str(params.get("smqa_backend", "?")), say=_say(item.config))
         item.stash[_REC] = rec
         item.user_properties.append((PROPERTY, rec.data()))

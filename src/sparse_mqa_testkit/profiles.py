@@ -3,8 +3,11 @@
 Chosen by ``--smqa-profile`` or ``SMQA_PROFILE`` (default ``dev``) and applied to the suite's own tests
 only (``active()``), so a downstream repo's other Hypothesis tests keep their settings.
 
-Example database: ``ci`` has none unless one is given (then it replays it, and is not derandomized); ``dev`` and ``nightly`` use the directory given by
-``--smqa-database`` / ``SMQA_DATABASE``, else ``./.hypothesis/smqa`` in the working directory. A database is
+Example database: ``ci`` has none unless one is given (then it replays it, and is not derandomized); ``dev`` and
+``nightly`` use what ``--smqa-database`` / ``SMQA_DATABASE`` give, else ``./.hypothesis/smqa`` in the working
+directory. A database spec is directories and ``redis://HOST:PORT[/DB]`` URLs, comma-separated, all read and
+written together, so a fleet of nightly runners shares one Redis database (Hypothesis's own, from the
+``hypothesis[redis]`` extra) beside their local directories. Examples are keyed by test and backend. A database is
 never placed inside the installed package (an installed copy run from a downstream repo must not write into
 site-packages).
 
@@ -18,7 +21,7 @@ import os
 from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.database import DirectoryBasedExampleDatabase, MultiplexedDatabase
 
 PROFILES = ("dev", "ci", "nightly")
 DEFAULT_PROFILE = "dev"
@@ -38,12 +41,13 @@ def _package_dir() -> Path:
     return Path(__file__).resolve().parent
 
 
-def database_dir(explicit: str | os.PathLike | None = None, *, cwd: Path | None = None) -> Path | None:
+def database_dir(explicit: str | os.PathLike | None = None, *, cwd: Path | None = None,
+                 ignore_env: bool = False) -> Path | None:
     """Where the example database goes: explicit, else $SMQA_DATABASE, else ./.hypothesis/smqa.
 
     None when the default would land inside the installed package (the working directory is in it).
     """
-    given = explicit or os.environ.get(DATABASE_ENV)
+    given = explicit or (None if ignore_env else os.environ.get(DATABASE_ENV))
     if given:
         return Path(given).expanduser().resolve()
     cwd = (cwd or Path.cwd()).resolve()
@@ -51,6 +55,55 @@ def database_dir(explicit: str | os.PathLike | None = None, *, cwd: Path | None 
     if cwd == pkg or pkg in cwd.parents:
         return None
     return cwd / ".hypothesis" / "smqa"
+
+
+REDIS_PREFIX = b"sparse-mqa-testkit:"
+
+
+def _redis(url: str):
+    """Hypothesis's Redis example database at ``url``; ValueError naming the URL when it cannot be reached."""
+    try:
+        import redis
+        from hypothesis.extra.redis import RedisExampleDatabase
+    except ImportError as e:
+        raise ValueError(f"example database {url}: a Redis database needs the redis client: "
+                         f"pip install 'hypothesis[redis]' ({e})") from None
+    client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30)
+    try:
+        client.ping()
+    except redis.exceptions.RedisError as e:
+        raise ValueError(f"example database {url} is unreachable: {e}") from None
+    return RedisExampleDatabase(client, key_prefix=REDIS_PREFIX)
+
+
+def example_database(spec: str | os.PathLike | None = None):
+    """The example database of a spec: directories and ``redis://HOST:PORT[/DB]`` URLs, comma-separated, read and
+    written all together (a URL alone also keeps the local default directory). None: nowhere to write."""
+    parts = [x.strip() for x in str(spec or "").split(",") if x.strip()]
+    urls = [x for x in parts if x.startswith(("redis://", "rediss://"))]
+    dirs = [x for x in parts if x not in urls]
+    if urls and not dirs:
+        dirs = [d for d in [database_dir(cwd=None, ignore_env=True)] if d is not None]
+    dbs = [DirectoryBasedExampleDatabase(str(database_dir(d))) for d in dirs] + [_redis(u) for u in urls]
+    if not parts:
+        where = database_dir()
+        dbs = [DirectoryBasedExampleDatabase(str(where))] if where is not None else []
+    if not dbs:
+        return None
+    return dbs[0] if len(dbs) == 1 else MultiplexedDatabase(*dbs)
+
+
+def describe_database(db) -> str:
+    """Where a settings object's examples go, in words."""
+    if db is None:
+        return "none"
+    if isinstance(db, MultiplexedDatabase):
+        return " + ".join(describe_database(d) for d in db._wrapped)
+    client = getattr(db, "redis", None)
+    if client is not None:
+        kw = client.connection_pool.connection_kwargs
+        return f"redis://{kw.get('host')}:{kw.get('port')}/{kw.get('db', 0)}"
+    return str(getattr(db, "path", db))
 
 
 def max_examples_override() -> int | None:
@@ -77,11 +130,7 @@ def profile_settings(name: str, database: str | os.PathLike | None = None) -> se
     if name not in PROFILES:
         raise ValueError(f"profile must be one of {PROFILES}, got {name!r}")
     explicit = database or os.environ.get(DATABASE_ENV)
-    if name == "ci" and not explicit:
-        db = None
-    else:
-        where = database_dir(database)
-        db = DirectoryBasedExampleDatabase(str(where)) if where is not None else None
+    db = None if name == "ci" and not explicit else example_database(explicit)
     common = dict(deadline=None, database=db, suppress_health_check=_SUPPRESS,
                   max_examples=max_examples_override() or MAX_EXAMPLES[name])
     if name == "dev":

@@ -21,7 +21,7 @@ from hypothesis.control import currently_in_test_context
 
 from .cases import Case
 from .checks.registry import get_check
-from .checks.result import repro_command
+from .checks.result import FAILED_RATIO, repro_command
 from .strategies import case_events
 
 PROPERTY = "smqa"  # key in TestReport.user_properties
@@ -33,11 +33,20 @@ def finite(x: float) -> float:
     return x if math.isfinite(x) else 1e6
 
 
+def measured(ratio) -> float | None:
+    """A check's ratio as a measure, or None for a failure that has none (a crash, a wrong shape, bits that
+    differ, a bad input accepted: ``FAILED_RATIO``)."""
+    r = float(ratio)
+    return None if not r < FAILED_RATIO else r
+
+
 def merge_coverage(into: dict, labels: dict) -> dict:
-    """Add ``labels`` (label -> {"n", "max_ratio"}) into ``into``: counts add, worst ratios take the max."""
+    """Add ``labels`` (label -> {"n", "max_ratio", "failed"}) into ``into``: counts add, worst ratios take the
+    max (None: no measured case yet)."""
     for label, v in labels.items():
-        slot = into.setdefault(label, {"n": 0, "max_ratio": None})
+        slot = into.setdefault(label, {"n": 0, "max_ratio": None, "failed": 0})
         slot["n"] += v["n"]
+        slot["failed"] = slot.get("failed", 0) + v.get("failed", 0)
         if v["max_ratio"] is not None:
             slot["max_ratio"] = max(slot["max_ratio"] or 0.0, v["max_ratio"])
     return into
@@ -48,6 +57,9 @@ class Recorder:
     """Everything one test item observed; ``data()`` is JSON-able.
 
     backend is the name the run was given (a registered name or ``module:attr``), which replay lines use.
+    worst: the case with the highest ratio, with the tensor and measure behind it, or a failure's reason when
+    it has no measure. failure: the last failure (Hypothesis replays the shrunk one last), with the highest
+    ratio seen before shrinking.
     """
 
     check: str
@@ -56,43 +68,55 @@ class Recorder:
     cases: int = 0
     failed: int = 0
     worst: dict | None = None
-    coverage: dict = field(default_factory=dict)  # label -> {"n", "max_ratio"}
+    coverage: dict = field(default_factory=dict)  # label -> {"n", "max_ratio", "failed"}
     failure: dict | None = None
     unreachable: dict = field(default_factory=dict)  # class label -> why the backend's domain has no case in it
     say: Callable[[str], None] | None = field(default=None, repr=False)  # where progress lines go
 
-    def add_case(self, case: Case, ratio: float | None = None) -> None:
+    def add_case(self, case: Case, ratio: float | None = None, failed: bool = False) -> None:
         self.cases += 1
         _progress(self)
         r = None if ratio is None else finite(ratio)
-        merge_coverage(self.coverage, {label: {"n": 1, "max_ratio": r} for label in case_events(case, self.tiles)})
+        merge_coverage(self.coverage, {label: {"n": 1, "max_ratio": r, "failed": int(failed)}
+                                       for label in case_events(case, self.tiles)})
 
     def add(self, result) -> None:
-        ratio = float(result.ratio)
-        self.add_case(result.case, ratio)
+        ratio = measured(result.ratio)
+        self.add_case(result.case, ratio, failed=not result.passed)
+        worst = {"case": result.case.repro(), "failed": not result.passed, **_worst(result, ratio)}
+        if self.worst is None or worst_rank(worst) >= worst_rank(self.worst):
+            self.worst = worst
         if not result.passed:
             self.failed += 1
-            # Hypothesis replays the shrunk example last, so the last failure is the one to report
-            self.failure = {"case": result.case.repro(), "message": result.message,
-                            "repro": repro_command(self.backend, result.check, result.case)}
-        if self.worst is None or finite(ratio) >= self.worst["ratio"]:
-            self.worst = {"ratio": finite(ratio), "case": result.case.repro(), **_worst_tensor(result)}
+            self.failure = {"case": result.case.repro(), "message": result.message, "ratio": ratio,
+                            "repro": repro_command(self.backend, result.check, result.case),
+                            "highest_ratio": self.worst.get("ratio")}
 
     def data(self) -> dict:
-        return {k: getattr(self, k) for k in ("check", "backend", "cases", "failed", "worst", "coverage",
+        return {k: getattr(self, k) for k in ("check", "backend", "tiles", "cases", "failed", "worst", "coverage",
                                                "failure", "unreachable")}
 
 
-def _worst_tensor(result) -> dict:
-    best = {}
+def worst_rank(worst: dict) -> tuple:
+    """Failures above passes; among them, no measure (a crash) above the highest ratio."""
+    r = worst.get("ratio")
+    return (worst.get("failed", False), math.inf if r is None else r)
+
+
+def _worst(result, ratio) -> dict:
+    """The tensor and measure behind a result's ratio, or the reason of a failure that has no measure."""
+    if ratio is None:
+        lines = result.message.splitlines()
+        return {"ratio": None, "reason": lines[1].strip() if len(lines) > 1 else "failed"}
+    best = {"ratio": finite(ratio)}
+    top = -1.0
     for name, t in (result.per_tensor or {}).items():
-        err, allowed = t.get("error"), t.get("allowed")
-        if err is None or not allowed:
-            continue
-        r = float(err) / float(allowed)
-        if not best or r > best["_r"]:
-            best = {"_r": r, "tensor": name, "error": float(err), "allowed": float(allowed)}
-    best.pop("_r", None)
+        r = t.get("ratio")
+        if r is None and t.get("allowed"):
+            r = float(t.get("error", 0.0)) / float(t["allowed"])
+        if r is not None and math.isfinite(r) and r > top:
+            top = r
+            best.update(tensor=name, error=float(t.get("error", 0.0)), allowed=float(t.get("allowed", 0.0)))
     return best
 
 
@@ -108,7 +132,7 @@ def _progress(rec: Recorder) -> None:
     left = ""
     if os.environ.get(DEADLINE_ENV):
         left = f", {max(0.0, float(os.environ[DEADLINE_ENV]) - now) / 60:.1f} min left"
-    worst = f", worst ratio {rec.worst['ratio']:.3f}" if rec.worst else ""
+    worst = f", worst ratio {rec.worst['ratio']:.3f}" if rec.worst and rec.worst.get("ratio") is not None else ""
     line = f"[smqa] {rec.check}[{rec.backend}]: {rec.cases} examples, {rec.failed} failures{worst}{left}"
     if rec.say is not None:
         rec.say(line)

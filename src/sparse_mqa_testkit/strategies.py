@@ -1,8 +1,9 @@
 """Hypothesis strategies that draw ``Case`` values: configurations and a seed, never element-wise arrays.
 
 Sizes are biased toward tile boundaries: for each tile t a backend declares (head_group, query_chunk,
-topk_block), H, S and L are drawn at t-1, t, t+1 (and small multiples), and H < 16 is always in the mix.
-Each boundary class is reported with ``hypothesis.event`` so a run shows what it covered.
+topk_block), H, S and L are drawn at t-1, t, t+1 (and small multiples), and H < 16 is always in the mix. For a
+tile the backend does not declare, the common sizes 16, 32, 64 and 128 take its place. Each boundary class is
+reported with ``hypothesis.event`` so a run shows what it covered.
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ from .cases import EMPTY_LSE_MODES, INVALID_MODES, ORDERS, SINK_MODES, TOPK_MODE
 SMALL_DIMS = ((16, 8), (8, 8), (24, 16), (5, 3), (1, 1))
 
 
+# Tile sizes kernels commonly use: where a backend declares no tile, sizes near these are drawn instead.
+COMMON_TILES = (16, 32, 64, 128)
+
+
+def _tiles(tile) -> tuple[int, ...]:
+    """A declared tile as a tuple; no declaration means the common tile sizes."""
+    if isinstance(tile, tuple):
+        return tile
+    return (tile,) if tile else COMMON_TILES
+
+
 def near_multiples(tile: int, max_mult: int = 2) -> list[int]:
     """t-1, t, t+1 at 1..max_mult multiples of a tile (sizes >= 1)."""
     out = set()
@@ -29,22 +41,27 @@ def near_multiples(tile: int, max_mult: int = 2) -> list[int]:
     return sorted(out)
 
 
-def boundary_class(size: int, tile: int | None) -> str:
-    """'below' / 'on' / 'above' a multiple of the tile, or 'interior'."""
-    if not tile:
-        return "interior"
-    r = size % tile
-    return "on" if r == 0 else "below" if r == tile - 1 else "above" if r == 1 else "interior"
+def boundary_class(size: int, tile) -> str:
+    """'below' / 'on' / 'above' a multiple of the tile (of any of the common sizes when ``tile`` is None or
+    a tuple of them), or 'interior'."""
+    rs = [(size % t, t) for t in _tiles(tile)]
+    for where, hit in (("on", lambda r, t: r == 0), ("below", lambda r, t: r == t - 1),
+                       ("above", lambda r, t: r == 1)):
+        if any(hit(r, t) for r, t in rs):
+            return where
+    return "interior"
 
 
-def _size(limit: int, tile: int | None, floor: int = 1, reach: int | None = None) -> st.SearchStrategy[int]:
-    """Uniform in [floor, limit], or a size near a tile multiple up to ``reach`` (default: the limit)."""
+def _size(limit: int, tile, floor: int = 1, reach: int | None = None) -> st.SearchStrategy[int]:
+    """Uniform in [floor, limit], or a size near a tile multiple (the common sizes without a declared tile)
+    up to ``reach`` (default: the limit)."""
     limit = max(limit, floor)
     choices = st.integers(floor, limit)
-    if tile:
-        near = [x for x in near_multiples(tile) if floor <= x <= max(limit, reach or limit)]
-        if near:
-            choices = st.one_of(st.sampled_from(near), choices)
+    mults = 2 if tile and not isinstance(tile, tuple) else 1
+    near = sorted({x for t in _tiles(tile) for x in near_multiples(t, mults)
+                   if floor <= x <= max(limit, reach or limit)})
+    if near:
+        choices = st.one_of(st.sampled_from(near), choices)
     return choices
 
 

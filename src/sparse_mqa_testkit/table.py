@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .recording import PROPERTY, merge_coverage
+from .recording import PROPERTY, merge_coverage, worst_rank
+from .strategies import COMMON_TILES
 
 
 def summarize(reports) -> list[dict]:
@@ -66,7 +67,7 @@ def merged(rows: list[dict]) -> list[dict]:
             continue
         m = out[key]
         m["cases"] += r["cases"]
-        if r.get("worst") and (not m.get("worst") or r["worst"]["ratio"] > m["worst"]["ratio"]):
+        if r.get("worst") and (not m.get("worst") or worst_rank(r["worst"]) > worst_rank(m["worst"])):
             m["worst"] = r["worst"]
         if order.get(r["outcome"], 3) > order.get(m["outcome"], 3) or m["outcome"] == "skipped":
             m.update(outcome=r["outcome"], reason=r.get("reason", ""), failure=r.get("failure") or m.get("failure"))
@@ -79,6 +80,9 @@ def _worst_text(row: dict) -> str:
     w = row.get("worst")
     if not w:
         return "-"
+    if w.get("ratio") is None:
+        reason = w.get("reason", "failed")
+        return reason if len(reason) <= 60 else reason[:57] + "..."
     if "tensor" in w:
         return f"{w['tensor']} {w['error']:.3g} / {w['allowed']:.3g} ({w['ratio']:.2f})"
     return f"ratio {w['ratio']:.2f}"
@@ -105,12 +109,17 @@ def format_table(rows: list[dict], timing: dict | None = None) -> str:
     unreachable = {r["backend"]: {} for r in rows}
     for r in rows:
         unreachable[r["backend"]].update(r.get("unreachable") or {})
+    for backend in sorted({r["backend"] for r in rows if r["cases"]} -
+                          {r["backend"] for r in rows if r.get("tiles")}):
+        lines += ["", f"warning: {backend} declares no tiles: its cases were drawn near the common tile sizes "
+                      f"{', '.join(map(str, COMMON_TILES))} (declare tiles = {{'head_group': .., 'query_chunk': .., "
+                      "'topk_block': ..}} to test yours)"]
     for backend, labels in coverage(rows).items():
         if not labels:
             continue
         lines += ["", f"boundary classes covered on {backend} (cases, worst ratio over its checks):"]
         cells = [f"{k}: {v['n']}" + (f" ({v['max_ratio']:.2f})" if v["max_ratio"] is not None else "")
-                 for k, v in sorted(labels.items())]
+                 + (" FAIL" if v.get("failed") else "") for k, v in sorted(labels.items())]
         width = max(map(len, cells)) + 2
         for i in range(0, len(cells), 3):
             lines.append("  " + "".join(c.ljust(width) for c in cells[i:i + 3]).rstrip())

@@ -59,6 +59,31 @@ def get_backend(name: str):
                           "or give 'module:attr'")
 
 
+def describe_backends() -> list[dict]:
+    """Every backend ``get_backend`` knows: name, origin, device, and whether it loads here (the reason if
+    not). Loading imports each backend's module and asks its optional ``require()``."""
+    from .base import MissingDependency
+
+    eps = _entry_points()
+    out = []
+    for name in available_backends():
+        origin = "built-in" if name == REFERENCE else f"entry point {eps[name].value}" + (
+            f" ({eps[name].dist.name})" if getattr(eps[name], "dist", None) else "")
+        row = {"name": name, "origin": origin, "device": "?", "loads": True, "reason": ""}
+        try:
+            backend = get_backend(name)
+            row["device"] = str(getattr(backend, "device", "cpu"))
+            require = getattr(backend, "require", None)
+            if callable(require):
+                require()
+        except MissingDependency as e:
+            row.update(loads=False, reason=f"missing package: {e}")
+        except Exception as e:
+            row.update(loads=False, reason=f"{type(e).__name__}: {e}")
+        out.append(row)
+    return out
+
+
 def resolve_backend(backend):
     """A backend object as given, or the one a registered name or ``module:attr`` names."""
     return get_backend(backend) if isinstance(backend, str) else backend

@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from .inputs import backend_inputs, bitwise_equal, call, clone_tensors, directions
-from .result import exception_summary, result
+from .inputs import backend_inputs, bits_differ, bitwise_equal, call, clone_tensors, directions, first_difference
+from .result import exception_summary, fmt_index, result
 
 TENSOR_ARGS = ("q", "kv", "out", "grad_out", "lse", "attn_sink", "indices", "topk_length")
 BACKWARD_ARGS = TENSOR_ARGS
@@ -171,12 +171,30 @@ def error_inputs(case) -> list[ErrorInput]:
     return entries
 
 
-def _unchanged(before: dict, after: dict) -> list[str]:
-    changed = []
-    for k, v in before.items():
-        if hasattr(v, "shape") and not bitwise_equal(after[k], v):
-            changed.append(k)
-    return changed
+class Snapshot:
+    """The caller's tensors before a call: their values and their version counters (torch bumps a tensor's
+    ``_version`` on every in-place write, even one that leaves the values as they were)."""
+
+    def __init__(self, args: dict):
+        self.args = args
+        self.values = clone_tensors(args)
+        self.versions = {k: v._version for k, v in args.items() if isinstance(v, torch.Tensor)}
+
+    def writes(self) -> list[str]:
+        """One line per caller tensor the call wrote into: how many elements changed and the first, or that
+        it was written with the values left as they were."""
+        out = []
+        for k, version in self.versions.items():
+            now, was = self.args[k], self.values[k]
+            if not bitwise_equal(now, was):
+                diff = bits_differ(now, was)
+                idx = first_difference(now, was)
+                out.append(f"{k} ({int(diff.sum())} / {now.numel()} elements changed, first at index "
+                           f"{fmt_index(idx)}: was {float(was[idx]):.6g}, now {float(now[idx]):.6g})")
+            elif now._version != version:
+                out.append(f"{k} (written in place: its version counter went from {version} to {now._version}, "
+                           "its values are as they were)")
+        return out
 
 
 def _try(backend, which, args, exc_type, match) -> str | None:
@@ -207,26 +225,23 @@ def check_rejection(backend, case):
     if reason is not None:  # outside the declared domain: must be refused
         notes["outside_domain"] = reason
         for which in whichs:
-            before = clone_tensors(valid)
+            before = Snapshot(valid)
             msg = _try(backend, which, valid, ValueError, "")
             if msg:
                 problems.append(f"{which} on a case outside the declared domain ({reason}) {msg}")
-            changed = _unchanged(before, valid)
-            if changed:
-                problems.append(f"{which} modified the caller's {', '.join(changed)} (outside-domain call)")
+            problems += [f"{which} modified the caller's {w} (outside-domain call)" for w in before.writes()]
         return result(check, backend, case, problems, ratio=math.inf if problems else 0.0, per_tensor={},
                       notes=notes)
     # a valid call must not touch the caller's tensors either
     for which in whichs:
-        before = clone_tensors(valid)
+        before = Snapshot(valid)
         try:
             call(backend, which, valid)
         except Exception as exc:
             problems.append(f"valid {which} call raised {exception_summary(exc)}")
-        changed = _unchanged(before, valid)
-        if changed:
-            problems.append(f"valid {which} call modified the caller's {', '.join(changed)}")
+        problems += [f"valid {which} call modified the caller's {w}" for w in before.writes()]
     cuda = torch.cuda.is_available()
+    crashes: dict[str, list[str]] = {}  # an unexpected exception -> the entries it was raised for (it repeats)
     for entry in error_inputs(case):
         for which in whichs:
             if which not in entry.applies_to:
@@ -235,15 +250,23 @@ def check_rejection(backend, case):
                 notes["skipped"].append(f"{entry.name} ({which}): needs CUDA")
                 continue
             args = entry.build(valid)
-            before = clone_tensors(args)
+            before = Snapshot(args)
             notes["entries"] += 1
             msg = _try(backend, which, args, entry.exc_type, entry.match)
             if msg:
-                problems.append(f"{entry.name} ({which}: {entry.description}) {msg}")
+                label = f"{entry.name} ({which}: {entry.description})"
+                if msg.startswith("raised ") and " expected " in msg:
+                    crashes.setdefault(msg, []).append(label)
+                else:
+                    problems.append(f"{label} {msg}")
                 per_tensor[entry.argument] = {"error": math.inf, "allowed": 0.0, "entry": entry.name}
-            changed = _unchanged(before, args)
-            if changed:
-                problems.append(f"{entry.name} ({which}): the call modified the caller's {', '.join(changed)}")
+            problems += [f"{entry.name} ({which}): the call modified the caller's {w}" for w in before.writes()]
+    for msg, labels in crashes.items():
+        if len(labels) == 1:
+            problems.append(f"{labels[0]} {msg}")
+        else:
+            names = ", ".join(label.split(" (")[0] for label in labels[:4]) + (", ..." if len(labels) > 4 else "")
+            problems.append(f"{len(labels)} bad inputs ({names}) each {msg}")
     return result(check, backend, case, problems, ratio=math.inf if problems else 0.0, per_tensor=per_tensor,
                   notes=notes)
 
