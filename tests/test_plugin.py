@@ -355,3 +355,15 @@ def test_limits_are_raised_from_outside(downstream, monkeypatch):
     downstream.runpytest_inprocess(*args).assert_outcomes(passed=2)  # never drawn within the default limits
     r = downstream.runpytest_inprocess(*args, "--smqa-limits", "L=130,work=9000000")
     r.assert_outcomes(passed=1, failed=1)
+
+
+def test_the_readme_test_file_runs_as_written(downstream):
+    """The complete downstream test file the README shows, verbatim, on a backend registered by module:attr."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if b.startswith("# tests/test_mine.py")]
+    downstream.makepyfile(test_readme=block)
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "test_readme.py", "--smqa-backend", "mykernels:Mine")
+    r.assert_outcomes(passed=1 + 3)  # the @given test, and the by-hand test once per drawn case
