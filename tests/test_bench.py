@@ -146,3 +146,22 @@ def test_from_json_and_plot(tmp_path, capsys):
     png = tmp_path / "p.png"
     bench.main(["--from-json", str(path), "--plot", str(png)])
     assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("pattern", ["local", "hot"])
+def test_index_patterns_are_the_testkits(pattern, tmp_path):
+    shape = Shape(S=8, Skv=64, H=2, L=16, Dqk=16, Dv=8)
+    x = shapes.make_inputs(shape, "cpu", seed=1, indices=pattern)
+    idx = x["indices"]
+    assert idx.shape == (1, 8, 16) and idx.dtype == torch.int32 and int(idx.max()) < 64
+    if pattern == "hot":
+        assert (idx[0, :, :8] == idx[0, :1, :8]).all(), "every query names the same hot rows first"
+    else:
+        pos = (torch.arange(8) + 1) * 64 // 8 - 1
+        assert torch.equal(idx[0, :, 0], pos.to(torch.int32)), "each query's window starts at its position"
+    assert torch.equal(idx, shapes.make_inputs(shape, "cpu", seed=1, indices=pattern)["indices"])
+    path = tmp_path / "r.json"
+    assert bench.main(TINY + ["--backward", "reference", "--forward", "", "--indices", pattern, "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["settings"]["indices"] == pattern
+    with pytest.raises(ValueError, match="indices must be one of random, local, hot, got 'causal'"):
+        shapes.make_inputs(shape, "cpu", seed=1, indices="causal")

@@ -9,10 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_mqa_testkit import contract
-from sparse_mqa_testkit.cases import INVALID_MODES, ORDERS, SINK_MODES, TOPK_MODES, Case
+from sparse_mqa_testkit.cases import HOT_ROWS, INVALID_MODES, ORDERS, SINK_MODES, SPREAD_BITS, TOPK_MODES, Case
 from sparse_mqa_testkit.strategies import cases
 
 small = cases(max_b=2, max_s=6, max_skv=12, max_h=5, max_l=10)
+random_slots = small.map(lambda c: c.replace(pattern="random"))  # the invalid modes alone make -1 slots
 ARRAYS = ("q", "kv", "indices", "topk_length", "attn_sink", "grad_out")
 
 
@@ -49,14 +50,14 @@ def test_repro_round_trips(case):
 
 
 @settings(max_examples=40)
-@given(case=small.map(lambda c: c.replace(invalid="none", topk="none")))
+@given(case=random_slots.map(lambda c: c.replace(invalid="none", topk="none")))
 def test_invalid_none_means_every_slot_valid(case):
     x = case.inputs()
     assert _valid(case, x).all()
 
 
 @settings(max_examples=40)
-@given(case=small.map(lambda c: c.replace(invalid="empty_rows")))
+@given(case=random_slots.map(lambda c: c.replace(invalid="empty_rows")))
 def test_empty_rows_mode_has_an_all_invalid_row(case):
     x = case.inputs()
     valid = _valid(case, x)
@@ -69,7 +70,7 @@ def test_empty_rows_mode_has_an_all_invalid_row(case):
 
 
 @settings(max_examples=40)
-@given(case=small.map(lambda c: c.replace(invalid="out_of_range")))
+@given(case=random_slots.map(lambda c: c.replace(invalid="out_of_range")))
 def test_out_of_range_mode_uses_the_far_values(case):
     idx = case.inputs()["indices"].astype(np.int64)
     bad = idx[(idx < 0) | (idx >= case.Skv)]
@@ -77,14 +78,14 @@ def test_out_of_range_mode_uses_the_far_values(case):
 
 
 @settings(max_examples=40)
-@given(case=small.map(lambda c: c.replace(invalid="holes")))
+@given(case=random_slots.map(lambda c: c.replace(invalid="holes")))
 def test_holes_mode_uses_minus_one(case):
     idx = case.inputs()["indices"]
     assert set(idx[(idx < 0) | (idx >= case.Skv)].tolist()) <= {-1}
 
 
 @settings(max_examples=40)
-@given(case=small.map(lambda c: c.replace(invalid="tails")))
+@given(case=random_slots.map(lambda c: c.replace(invalid="tails")))
 def test_tails_mode_invalidates_a_suffix(case):
     idx = case.inputs()["indices"]
     bad = (idx < 0) | (idx >= case.Skv)
@@ -118,8 +119,45 @@ def test_duplicates_mode_really_duplicates(case):
 @settings(max_examples=40)
 @given(case=small.filter(lambda c: c.L <= c.Skv).map(lambda c: c.replace(duplicates=False, invalid="none")))
 def test_without_duplicates_rows_are_distinct(case):
-    srt = np.sort(case.inputs()["indices"], axis=-1)
+    idx = case.inputs()["indices"]
+    srt = np.sort(np.where(idx >= 0, idx, -1 - np.arange(case.L)), axis=-1)  # -1 slots are not indices
     assert not (srt[..., 1:] == srt[..., :-1]).any()
+
+
+@settings(max_examples=40)
+@given(case=small.map(lambda c: c.replace(pattern="local", invalid="none", topk="none", order="random",
+                                         duplicates=False)))
+def test_local_pattern_is_causal_with_a_window(case):
+    # query i sits at cache position p = (i + 1) Skv / S - 1; its first 3/4 slots are p, p - 1, ... and the
+    # rest fall before the window; only positions below 0 and repeats are -1
+    idx = case.inputs()["indices"]
+    pos = (np.arange(case.S) + 1) * case.Skv // case.S - 1
+    window = case.L - case.L // 4
+    near = pos[:, None] - np.arange(window)[None, :]
+    assert np.array_equal(idx[..., :window], np.broadcast_to(np.where(near >= 0, near, -1), idx[..., :window].shape))
+    far = idx[..., window:]
+    assert ((far == -1) | ((far >= 0) & (far <= (pos - window)[None, :, None]))).all()
+
+
+@settings(max_examples=40)
+@given(case=small.filter(lambda c: c.L >= 2).map(lambda c: c.replace(pattern="hot", invalid="none", order="random")))
+def test_hot_pattern_shares_rows_across_queries(case):
+    idx = case.inputs()["indices"]
+    n = min(HOT_ROWS, case.L // 2)
+    head = idx[..., :n]
+    assert (head == head[:, :1]).all(), "every query of a batch names the same hot rows first"
+
+
+@settings(max_examples=30)
+@given(case=small.filter(lambda c: c.S >= 2))
+def test_spread_magnitude_scales_grad_out_along_the_queries(case):
+    unit, spread = case.replace(magnitude="unit").inputs(), case.replace(magnitude="spread").inputs()
+    ratio = spread["grad_out"].astype(np.float64) / unit["grad_out"].astype(np.float64)
+    want = np.exp2(np.linspace(-SPREAD_BITS, SPREAD_BITS, case.S))[None, :, None, None]
+    ok = unit["grad_out"].astype(np.float64) != 0
+    assert np.allclose(ratio[ok], np.broadcast_to(want, ratio.shape)[ok], rtol=2 ** -7)
+    for name in ("q", "kv", "indices"):
+        assert np.array_equal(spread[name], unit[name]), name
 
 
 @settings(max_examples=40)

@@ -244,22 +244,35 @@ def test_emulated_kernel_within_model_on_drawn_production_dims(case):
     assert res.passed and res.ratio < 1, res.message
 
 
-def _assert_dkv_needs_term(monkeypatch, case, term, *also):
-    """The emulated kernel passes ``case``, dkv's ``term`` allowance is larger than its rounded-oracle one, and
-    with that term (and the allowances named in ``also``) zeroed the same case fails on dkv."""
-    import sparse_mqa_testkit.checks.tolerance as tol
+def _without_terms(monkeypatch, *names):
+    """Switch the error model's ``names`` terms off (and drop cached references computed with them)."""
+    from sparse_mqa_testkit.checks import error_model, inputs
 
+    monkeypatch.setattr(error_model, "TERMS", tuple(t for t in error_model.ALL_TERMS if t not in names))
+    inputs.reference.cache_clear()  # the autouse fixture clears it again afterwards
+
+
+@pytest.fixture(autouse=True)
+def _fresh_references():
+    from sparse_mqa_testkit.checks.inputs import reference
+
+    reference.cache_clear()
+    yield
+    reference.cache_clear()
+
+
+def _assert_dkv_needs_term(monkeypatch, case, term, *also):
+    """The emulated kernel passes ``case``, dkv's ``term`` error is larger than its rounded-oracle one, and
+    with that term (and the terms named in ``also``) switched off the same case fails on dkv."""
     res = check_backward_tolerance(EmulatedKernel(), case)
     assert res.passed, res.message
     assert res.per_tensor["dkv"][f"{term}_error"] > res.per_tensor["dkv"]["reference_error"]
-    for name in (term, *also):
-        fn = "operand_rounding" if name == "operand" else f"{name}_allowance"
-        monkeypatch.setattr(tol, fn, lambda name, case: 0.0)
+    _without_terms(monkeypatch, term, *also)
     res = check_backward_tolerance(EmulatedKernel(), case)
     assert not res.passed and "dkv:" in res.message
 
 
-def test_delta_allowance_is_what_lets_a_peaked_softmax_pass(monkeypatch):
+def test_delta_term_is_what_lets_a_peaked_softmax_pass(monkeypatch):
     # sm_scale 0.5 on 576 dims: nearly one-hot P, so dS = P (dp - Delta) cancels and the kernel's Delta from
     # the bf16 out dominates dkv's error; the rounded oracle alone cannot see that
     case = Case(B=2, S=1, Skv=13, H=13, L=13, Dqk=576, Dv=512, sm_scale=0.5, sink="pos_inf", invalid="tails",
@@ -267,7 +280,7 @@ def test_delta_allowance_is_what_lets_a_peaked_softmax_pass(monkeypatch):
     _assert_dkv_needs_term(monkeypatch, case, "delta")
 
 
-def test_repeat_allowance_is_what_lets_coherent_rounding_pass(monkeypatch):
+def test_repeat_term_is_what_lets_coherent_rounding_pass(monkeypatch):
     # Skv = 1: all 15 slots name one row, P = 1/15 rounds to bf16 the same way 15 times and P^T dO carries that
     # one rounding 15 times (found by the conformance suite on an H200 and in the NumPy model alike); a small
     # sm_scale keeps the Delta term (sm_scale dDelta q per slot) from covering it as well. The operands'
@@ -276,7 +289,7 @@ def test_repeat_allowance_is_what_lets_coherent_rounding_pass(monkeypatch):
     _assert_dkv_needs_term(monkeypatch, case, "repeat", "operand")
 
 
-def test_operand_rounding_is_what_lets_a_cancelling_sum_pass(monkeypatch):
+def test_operand_term_is_what_lets_a_cancelling_sum_pass(monkeypatch):
     # Dqk = 1 with a small sm_scale: P is nearly uniform over the 15 slots, and dkv's sum over 15 heads of
     # P dO (dO of both signs) cancels to a quarter of its terms, so the rounding of P to bf16 before P^T dO
     # is 5x the output rounding (found by the ci profile on the NumPy model of our backward)
@@ -284,46 +297,87 @@ def test_operand_rounding_is_what_lets_a_cancelling_sum_pass(monkeypatch):
     _assert_dkv_needs_term(monkeypatch, case, "operand")
 
 
-def test_repeat_allowance_counts_only_repeated_rows():
-    from sparse_mqa_testkit.checks.tolerance import _repeats, repeat_allowance
+def test_unsummed_floor_is_what_lets_a_row_that_cancels_to_zero_pass(monkeypatch):
+    # Skv = 1 without a sink: every slot names row 0, so dP_t = Delta and each dq row is exactly zero, while a
+    # kernel's float32 dP_t - Delta is not (found by the drawn production-dims test below): the floor applies
+    # to the norm of the terms the row sums, not to their (zero) sum
+    from sparse_mqa_testkit.checks import error_model
 
-    idx = torch.tensor([[[3, 3, 1, 3, 0], [2, 2, 2, 2, 2]]])
-    valid = torch.tensor([[[True, True, True, False, True], [True, True, False, False, False]]])
-    assert _repeats(valid, idx).tolist() == [[[2, 2, 1, 0, 1], [2, 2, 0, 0, 0]]]
-    distinct = Case(S=4, Skv=64, H=3, L=16, sink="finite", seed=2)  # distinct indices within a row
-    assert all(repeat_allowance(n, distinct) == 0.0 for n in ("dq", "dkv", "d_sink", "out", "lse"))
-    dup = Case(S=4, Skv=3, H=3, L=16, sink="finite", seed=2)  # L > Skv: rows repeat
-    assert repeat_allowance("dkv", dup) > 0 and repeat_allowance("dq", dup) > 0
-    assert repeat_allowance("d_sink", dup) == 0.0
-
-
-def test_delta_allowance_moves_repeated_slots_together(monkeypatch):
-    # Skv = 1 with sm_scale 0.5 and a finite sink (found by the conformance suite on an H200, the NumPy model
-    # alike): dS = P (dP - Delta) cancels, every valid slot names row 0, and the one dDelta of a (query, head)
-    # shifts that row once per slot, coherently; slots counted as independent allowed sqrt(m) of m
-    case = Case(S=13, Skv=1, H=1, L=15, Dqk=576, Dv=512, sm_scale=0.5, sink="finite", topk="random",
-                invalid="empty_rows", seed=4)
+    case = Case(S=15, Skv=1, H=1, L=15, Dqk=576, Dv=512)
     res = check_backward_tolerance(EmulatedKernel(), case)
     assert res.passed, res.message
-    import sparse_mqa_testkit.checks.tolerance as tol
-
-    monkeypatch.setattr(tol, "_grouped_square_sum", lambda valid, idx, P: (P ** 2).sum(-1))
+    real = error_model.row_terms
+    monkeypatch.setattr(error_model, "row_terms",
+                        lambda *a, **kw: {n: dict(t, unsummed=torch.zeros_like(t["unsummed"]))
+                                          for n, t in real(*a, **kw).items()})
+    _without_terms(monkeypatch)
     res = check_backward_tolerance(EmulatedKernel(), case)
-    assert not res.passed and "dkv:" in res.message
+    assert not res.passed and "dq:" in res.message and "rows over their allowance" in res.message
 
 
-def test_grouped_square_sum_adds_repeated_slots_before_squaring():
-    from sparse_mqa_testkit.checks.tolerance import _grouped_square_sum
+def _float64_backward_with_delta(t, delta):
+    """dq, dkv, d_sink of the contract in float64 with Delta [B, S, H] given (one batch, tiny cases)."""
+    from sparse_mqa_testkit import contract
 
-    idx = torch.tensor([[[3, 3, 1, 3, 0], [2, 2, 2, 2, 2]]])
-    valid = torch.tensor([[[True, True, True, False, True], [True, True, False, False, False]]])
-    P = torch.tensor([[[[0.1, 0.2, 0.3, 0.0, 0.4]], [[0.5, 0.25, 0.0, 0.0, 0.0]]]], dtype=torch.float64)
-    got = _grouped_square_sum(valid, idx, P)
-    assert got.shape == (1, 2, 1)
-    assert torch.allclose(got.flatten(), torch.tensor([0.3 ** 2 + 0.3 ** 2 + 0.4 ** 2, 0.75 ** 2], dtype=torch.float64))
-    distinct = torch.tensor([[[0, 1, 2, 3, 4]]])
-    Pd = torch.rand(1, 1, 3, 5, dtype=torch.float64)
-    assert torch.allclose(_grouped_square_sum(torch.ones(1, 1, 5, dtype=torch.bool), distinct, Pd), (Pd ** 2).sum(-1))
+    q, kv, go = t["q"].double()[0], t["kv"].double()[0], t["grad_out"].double()[0]
+    scale, dv = float(t["sm_scale"]), t["d_v"]
+    tl = None if t["topk_length"] is None else t["topk_length"][0]
+    valid = contract.valid_mask(t["indices"][0], kv.shape[0], tl)
+    rows = torch.where(valid, t["indices"][0].long(), 0)
+    K = torch.where(valid[..., None], kv[rows], 0.0)
+    s = torch.einsum("shd,sld->shl", q, K) * scale
+    lse = torch.logsumexp(torch.where(valid[:, None, :], s, -torch.inf), -1)
+    denom = lse if t["attn_sink"] is None else torch.logaddexp(lse, t["attn_sink"].double())
+    P = torch.where(valid[:, None, :], torch.exp(s - denom[..., None]), 0.0)
+    dS = P * (torch.einsum("shd,sld->shl", go, K[..., :dv]) - delta[0][..., None])
+    dq = scale * torch.einsum("shl,sld->shd", dS, K)
+    contrib = scale * torch.einsum("shl,shd->sld", dS, q)
+    contrib[..., :dv] += torch.einsum("shl,shd->sld", P, go)
+    dkv = torch.zeros_like(kv).index_add_(0, rows[valid], contrib[valid])
+    d_sink = None
+    if t["attn_sink"] is not None:
+        d_sink = -(contract.sink_probability(lse, t["attn_sink"].double()) * delta[0]).sum(0)
+    return dq, dkv, d_sink
+
+
+@pytest.mark.parametrize("case", [
+    Case(S=13, Skv=1, H=1, L=15, Dqk=576, Dv=512, sm_scale=0.5, sink="finite", topk="random",
+         invalid="empty_rows", seed=4),  # every slot names row 0: the slots' shifts add up coherently
+    Case(S=5, Skv=9, H=4, L=12, Dqk=40, Dv=32, sink="finite", duplicates=True, seed=3),
+], ids=lambda c: c.describe())
+def test_delta_term_is_the_exact_shift_from_the_bf16_out(case):
+    # a float64 backward fed Delta from the bf16 out differs from the oracle by exactly the delta term, row by
+    # row (a term that counted slots as independent allowed sqrt(m) of m for m slots naming one row)
+    from sparse_mqa_testkit.checks.inputs import reference
+
+    r = reference(case)
+    t, out = r.inputs, r.o64["out"]
+    exact = _float64_backward_with_delta(t, (t["grad_out"].double() * out).sum(-1))
+    shifted = _float64_backward_with_delta(t, (t["grad_out"].double() * out.to(torch.bfloat16).double()).sum(-1))
+    for name, e, s_ in zip(("dq", "dkv", "d_sink"), exact, shifted):
+        if e is None:
+            continue
+        lead = {"dq": 2, "dkv": 1, "d_sink": 1}[name]  # one batch: its dimension dropped
+        got = ((s_ - e) ** 2).reshape(*s_.shape[:lead], -1).sum(-1)
+        want = r.terms[name]["delta"].reshape(got.shape)
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-30), name
+        assert float(want.sum()) > 0, name
+
+
+def test_repeat_term_counts_only_repeated_rows():
+    from sparse_mqa_testkit.checks.error_model import group_slots
+    from sparse_mqa_testkit.checks.inputs import reference
+
+    idx = torch.tensor([[3, 3, 1, 3, 0], [2, 2, 2, 2, 2]])
+    valid = torch.tensor([[True, True, True, False, True], [True, True, False, False, False]])
+    inv, counts = group_slots(valid, idx)
+    sizes = torch.where(valid, counts[inv].reshape(valid.shape), 0)
+    assert sizes.tolist() == [[2, 2, 1, 0, 1], [2, 2, 0, 0, 0]]
+    distinct = reference(Case(S=4, Skv=64, H=3, L=16, sink="finite", seed=2))  # distinct indices in a row
+    assert all(float(t["repeat"].sum()) == 0.0 for t in distinct.terms.values())
+    dup = reference(Case(S=4, Skv=3, H=3, L=16, sink="finite", seed=2))  # L > Skv: rows repeat
+    assert float(dup.terms["dkv"]["repeat"].sum()) > 0 and float(dup.terms["dq"]["repeat"].sum()) > 0
+    assert float(dup.terms["d_sink"]["repeat"].sum()) == 0.0
 
 
 def test_compare_tensor_shape_mismatch_is_a_problem_not_a_broadcast():

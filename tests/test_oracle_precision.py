@@ -86,7 +86,7 @@ def test_float32_within_the_stated_bound_of_float64(case):
 
 
 @settings(max_examples=40, deadline=None)
-@given(case=small_cases())
+@given(case=small_cases().map(lambda c: c.replace(magnitude="unit")))  # float16 holds neither 2^20 nor 2^-20 N(0,1)
 def test_any_float_input_dtype_is_widened_exactly(case):
     """bf16, float16, float32 and float64 inputs holding the same values give bitwise the same results, in the
     asked dtype; float64 results really are float64."""

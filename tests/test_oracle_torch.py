@@ -71,4 +71,6 @@ def test_oracle_matches_dense_torch_autograd(case):
         assert not np.isnan(got[k]).any(), f"{k} has NaN"
         # +inf lse exactly on the empty rows; everything else finite and equal to float64 rounding
         np.testing.assert_array_equal(np.isposinf(got[k]), np.isposinf(want[k]), err_msg=f"{k}: +inf positions")
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-11, err_msg=k)
+        # gradients are linear in grad_out: their absolute floor scales with it (the spread magnitude reaches 2^20)
+        go = float(np.abs(x["grad_out"].astype(np.float64)).max(initial=0)) if k in ("dq", "dkv", "d_sink") else 1.0
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-11 * max(go, 1.0), err_msg=k)

@@ -367,3 +367,29 @@ def test_the_readme_test_file_runs_as_written(downstream):
     downstream.makepyfile(test_readme=block)
     r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "test_readme.py", "--smqa-backend", "mykernels:Mine")
     r.assert_outcomes(passed=1 + 3)  # the @given test, and the by-hand test once per drawn case
+
+
+def test_the_scale_tier_runs_only_when_asked(downstream, monkeypatch):
+    import sys
+
+    from sparse_mqa_testkit import scale
+
+    for name in [m for m in sys.modules if m.startswith("sparse_mqa_testkit.property_tests.")]:
+        monkeypatch.delitem(sys.modules, name)
+    suite = ("-p", "no:cacheprovider", "--pyargs", "sparse_mqa_testkit.property_tests", "--co", "-q",
+             "--smqa-backend", "reference")
+    r = downstream.runpytest_inprocess(*suite)
+    assert "test_scale" not in r.stdout.str() and "test_check_boundaries" in r.stdout.str()
+    r = downstream.runpytest_inprocess(*suite, "--smqa-scale")
+    ids = [line for line in r.stdout.lines if "test_scale[" in line]
+    assert len(ids) == len(scale.FIXED) + scale.DRAWN["dev"] and "test_check_boundaries" in r.stdout.str()
+    assert any(scale.FIXED[0].describe() in line for line in ids)
+    r = downstream.runpytest_inprocess(*suite, "--smqa-profile", "scale")
+    lines = [line for line in r.stdout.lines if "::" in line]
+    assert lines and all("test_scale[" in line for line in lines), "the scale profile runs the tier alone"
+    assert len(lines) == len(scale.FIXED) + scale.DRAWN["scale"]
+    # a CPU backend: skipped, saying why
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--pyargs", "sparse_mqa_testkit.property_tests",
+                                       "-rs", "--smqa-backend", "reference", "--smqa-profile", "scale")
+    r.assert_outcomes(skipped=len(lines))
+    r.stdout.fnmatch_lines(["*the scale tier runs production sizes on a CUDA backend; 'reference' runs on cpu*"])

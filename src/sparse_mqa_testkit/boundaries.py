@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .cases import INVALID_MODES, SINK_MODES, TOPK_MODES, Case
+from .cases import INVALID_MODES, MAGNITUDES, PATTERNS, SINK_MODES, TOPK_MODES, Case
 from .strategies import TILE_OF, backend_dims, case_events
 
 H_SMALL = (1, 2, 15)  # "H < 16": the smallest the domain allows
@@ -36,6 +36,8 @@ def requirements(backend) -> dict[str, list[dict]]:
     req |= {f"invalid {m}": [{"invalid": m}] for m in INVALID_MODES}
     req["duplicates"] = [{"duplicates": True}]
     req["empty lse -inf"] = [{"empty_lse": "neg_inf", "invalid": "empty_rows"}]
+    req |= {f"pattern {m}": [{"pattern": m}] for m in PATTERNS}
+    req |= {f"magnitude {m}": [{"magnitude": m}] for m in MAGNITUDES if m != "unit"}
     req["H < 16"] = [{"H": h} for h in H_SMALL]
     req["L > Skv"] = [{"Skv": 2, "L": 4}, {"Skv": 1, "L": 2}]
     for dqk, dv in backend_dims(backend):

@@ -20,6 +20,15 @@ TOPK_MODES = ("none", "random")  # random draws lengths in [0, L + 2], so 0 and 
 INVALID_MODES = ("none", "holes", "out_of_range", "tails", "empty_rows", "mixed")
 ORDERS = ("random", "sorted")
 EMPTY_LSE_MODES = ("pos_inf", "neg_inf")  # the lse a backward is given for an empty row: +inf, or -inf (zero mass)
+# random: each row's slots anywhere in the cache; local: causal, a window before the query's position plus far
+# picks, so neighbouring queries share most slots (DeepSeek-V3.2's indexer); hot: a few KV rows every query names
+PATTERNS = ("random", "local", "hot")
+# unit: N(0, 1) everywhere; spread: grad_out scaled by 2^u, u from -20 to +20 along the queries, so gradients
+# span 2^+-20 across rows (with the local pattern, dkv's rows too)
+MAGNITUDES = ("unit", "spread")
+SPREAD_BITS = 20
+HOT_ROWS = 8  # how many KV rows the hot pattern has every query name
+LARGE = 1 << 26  # q elements past which a case's tensors are drawn by torch on its device (torch_io.case_tensors)
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,8 @@ class Case:
     duplicates: bool = False
     order: str = "random"
     empty_lse: str = "pos_inf"
+    pattern: str = "random"
+    magnitude: str = "unit"
     seed: int = 0
 
     def __post_init__(self):
@@ -50,7 +61,8 @@ class Case:
         if self.Dv > self.Dqk:
             raise ValueError(f"Case.Dv must be <= Dqk = {self.Dqk}, got {self.Dv}")
         for name, allowed in (("sink", SINK_MODES), ("topk", TOPK_MODES), ("invalid", INVALID_MODES),
-                              ("order", ORDERS), ("empty_lse", EMPTY_LSE_MODES)):
+                              ("order", ORDERS), ("empty_lse", EMPTY_LSE_MODES), ("pattern", PATTERNS),
+                              ("magnitude", MAGNITUDES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Case.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
@@ -58,6 +70,11 @@ class Case:
     @property
     def scale(self) -> float:
         return float(self.sm_scale) if self.sm_scale is not None else 1.0 / math.sqrt(self.Dqk)
+
+    @property
+    def large(self) -> bool:
+        """Too large for NumPy on a host: its tensors are drawn by torch on the device it runs on."""
+        return self.B * self.S * self.H * self.Dqk > LARGE
 
     @property
     def dims(self) -> contract.Dims:
@@ -73,22 +90,29 @@ class Case:
         return f"Case({fields})"
 
     def describe(self) -> str:
-        lse = "" if self.empty_lse == "pos_inf" else f" empty_lse={self.empty_lse}"
+        extra = "".join(f" {name}={getattr(self, name)}" for name, default in
+                        (("empty_lse", "pos_inf"), ("pattern", "random"), ("magnitude", "unit"))
+                        if getattr(self, name) != default)
         return (f"B{self.B} S{self.S} Skv{self.Skv} H{self.H} L{self.L} {self.Dqk}/{self.Dv} "
                 f"sink={self.sink} topk={self.topk} invalid={self.invalid} dup={self.duplicates} "
-                f"order={self.order}{lse} seed={self.seed}")
+                f"order={self.order}{extra} seed={self.seed}")
 
     # ---- the arrays ------------------------------------------------------------------------------------------
     def inputs(self) -> dict:
         """NumPy inputs with kernel dtypes: q, kv, grad_out bf16; indices, topk_length int32; attn_sink fp32.
 
         Keys: q, kv, indices, topk_length (or None), attn_sink (or None), grad_out, sm_scale, d_v.
+        A ``large`` case has none here: ``torch_io.case_tensors`` draws it on its device.
         """
+        if self.large:
+            raise ValueError(f"{self.repro()} has {self.B * self.S * self.H * self.Dqk} q elements, past "
+                             f"{LARGE}: torch draws its tensors on the device (torch_io.case_tensors(case, device))")
         rng = np.random.default_rng(self.seed)
         B, S, Skv, H, L = self.B, self.S, self.Skv, self.H, self.L
         q = round_bf16(rng.standard_normal((B, S, H, self.Dqk), dtype=np.float32))
         kv = round_bf16(rng.standard_normal((B, Skv, self.Dqk), dtype=np.float32))
-        grad_out = round_bf16(rng.standard_normal((B, S, H, self.Dv), dtype=np.float32))
+        go = rng.standard_normal((B, S, H, self.Dv), dtype=np.float32)
+        grad_out = round_bf16(go * np.exp2(self.spread_exponents())[None, :, None, None].astype(np.float32))
         indices = self._indices(rng)
         topk_length = None
         if self.topk == "random":
@@ -112,35 +136,127 @@ class Case:
             sink[kind == 2] = np.inf
         return sink
 
+    def spread_exponents(self) -> np.ndarray:
+        """log2 of grad_out's scale per query position: 0 for ``unit``, -20 to +20 along S for ``spread``."""
+        if self.magnitude == "unit" or self.S == 1:
+            return np.zeros(self.S)
+        return np.linspace(-SPREAD_BITS, SPREAD_BITS, self.S)
+
     def _indices(self, rng) -> np.ndarray:
-        B, S, Skv, L = self.B, self.S, self.Skv, self.L
-        if self.duplicates or L > Skv:
-            idx = rng.integers(0, Skv, size=(B, S, L))
-        else:  # distinct per row: argsort of random keys is a vectorised sample without replacement
-            idx = np.argsort(rng.random((B, S, Skv)), axis=-1)[..., :L]
-        if self.duplicates and L > 1:  # make duplicates certain, not merely likely
-            idx[..., -1] = idx[..., 0]
-        if self.order == "sorted":
-            idx = np.sort(idx, axis=-1)
-        idx = idx.astype(np.int64)
-        mode = self.invalid
-        invalid = {k: np.array(v, dtype=np.int64) for k, v in contract.invalid_values(Skv).items()}
-        if mode == "mixed":
-            mode = ("holes", "out_of_range", "tails", "empty_rows")[int(rng.integers(0, 4))]
-            # and sprinkle the other kinds too
-            idx = np.where(rng.random(idx.shape) < 0.1, -1, idx)
-        if mode == "holes":
-            idx = np.where(rng.random(idx.shape) < 0.25, -1, idx)
-        elif mode == "out_of_range":
-            bad = invalid["out_of_range"]
-            pick = bad[rng.integers(0, len(bad), size=idx.shape)]
-            idx = np.where(rng.random(idx.shape) < 0.25, pick, idx)
-        elif mode == "tails":
-            keep = rng.integers(0, L + 1, size=(B, S, 1))
-            idx = np.where(np.arange(L) < keep, idx, -1)
-        elif mode == "empty_rows":
-            empty = rng.random((B, S, 1)) < 0.3
-            empty[0, 0, 0] = True
-            filler = invalid["sentinel"][rng.integers(0, len(invalid["sentinel"]), size=idx.shape)]
-            idx = np.where(empty, filler, idx)
-        return idx.astype(np.int32)
+        return draw_indices(self, NumpyDraws(rng))
+
+
+class NumpyDraws:
+    """Random draws from a NumPy generator, for ``draw_indices`` (``torch_io.TorchDraws`` is its torch twin)."""
+
+    xp = np
+
+    def __init__(self, rng):
+        self.rng = rng
+
+    def random(self, shape):
+        return self.rng.random(shape)
+
+    def integers(self, low, high, shape):
+        return self.rng.integers(low, high, size=shape)
+
+    def distinct(self, shape, n):
+        """[*shape[:-1], k] distinct values in [0, n) per row (k = shape[-1] <= n): argsort of random keys."""
+        return np.argsort(self.rng.random((*shape[:-1], n)), axis=-1)[..., :shape[-1]]
+
+    def arange(self, n):
+        return np.arange(n)
+
+    def array(self, values):
+        return np.array(values, dtype=np.int64)
+
+    def sort(self, x):
+        return np.sort(x, axis=-1)
+
+    def int32(self, x):
+        return x.astype(np.int32)
+
+
+def draw_indices(case: Case, draws):
+    """The case's [B, S, L] indices: random (or a pattern's) slots, duplicates, order, then the invalid mode."""
+    xp = draws.xp
+    B, S, Skv, L = case.B, case.S, case.Skv, case.L
+    if case.duplicates or L > Skv:
+        idx = draws.integers(0, Skv, (B, S, L))
+    else:  # distinct per row
+        idx = draws.distinct((B, S, L), Skv)
+    if case.pattern != "random":
+        idx = pattern_indices(case, idx, draws.random((B, S, L)), draws.integers(0, Skv, (B, HOT_ROWS)))
+    if case.duplicates and L > 1:  # make duplicates certain, not merely likely
+        idx[..., -1] = idx[..., 0]
+    if case.order == "sorted":
+        idx = draws.sort(idx)
+    mode = case.invalid
+    invalid = {k: draws.array(v) for k, v in contract.invalid_values(Skv).items()}
+    if mode == "mixed":
+        mode = ("holes", "out_of_range", "tails", "empty_rows")[int(draws.integers(0, 4, ()))]
+        # and sprinkle the other kinds too
+        idx = xp.where(draws.random(idx.shape) < 0.1, -1, idx)
+    if mode == "holes":
+        idx = xp.where(draws.random(idx.shape) < 0.25, -1, idx)
+    elif mode == "out_of_range":
+        bad = invalid["out_of_range"]
+        pick = bad[draws.integers(0, len(bad), idx.shape)]
+        idx = xp.where(draws.random(idx.shape) < 0.25, pick, idx)
+    elif mode == "tails":
+        keep = draws.integers(0, L + 1, (B, S, 1))
+        idx = xp.where(draws.arange(L) < keep, idx, -1)
+    elif mode == "empty_rows":
+        empty = draws.random((B, S, 1)) < 0.3
+        empty[0, 0, 0] = True
+        filler = invalid["sentinel"][draws.integers(0, len(invalid["sentinel"]), idx.shape)]
+        idx = xp.where(empty, filler, idx)
+    return draws.int32(idx)
+
+
+def pattern_indices(case: Case, idx, u, hot):
+    """The ``local`` or ``hot`` pattern from a random draw ``idx`` [B, S, L], uniforms ``u`` [B, S, L] and hot
+    rows ``hot`` [B, HOT_ROWS] (NumPy arrays or torch tensors alike).
+
+    local: query i sits at cache position p = (i + 1) Skv / S - 1 (causal); its first 3/4 of the slots are the
+    window p, p - 1, ... and the rest far picks uniform in [0, p - window], before the window; a row that sees
+    fewer keys than that has -1 in the rest, as an indexer's top-k pads it. hot: the first min(HOT_ROWS, L / 2)
+    slots of every row name the same hot rows. Without ``duplicates`` a slot repeating an earlier one of its
+    row becomes -1 (an indexer never names a row twice).
+    """
+    xp = contract._namespace(idx)
+    B, S, L, Skv = case.B, case.S, case.L, case.Skv
+    if case.pattern == "hot":
+        n = min(HOT_ROWS, max(1, L // 2))
+        head = hot[:, None, :n] + xp.zeros_like(idx[..., :n])
+        out = xp.concatenate([head, idx[..., n:]], -1) if n < L else head
+    else:
+        arange = (lambda n: xp.arange(n)) if xp is np else (lambda n: xp.arange(n, device=idx.device))
+        pos = ((arange(S) + 1) * Skv) // S - 1  # [S]
+        window = L - L // 4
+        t = arange(L)
+        near = pos[:, None] - t[None, :]  # [S, L]: p, p - 1, ...
+        room = pos[None, :, None] - window + 1  # [1, S, 1]: positions before the window
+        far = u * xp.where(room > 0, room, 0)
+        far = far.astype(np.int64) if xp is np else far.long()
+        far = xp.where(room > 0, far, -1)
+        out = xp.where(t[None, None, :] < window, near[None], far)
+        out = xp.where(out < 0, -1, out)
+    return out if case.duplicates else _repeats_to_minus_one(out)
+
+
+def _repeats_to_minus_one(idx):
+    """-1 in each slot whose index an earlier slot of its row already names."""
+    if isinstance(idx, np.ndarray):
+        order = np.argsort(idx, axis=-1, kind="stable")
+        srt = np.take_along_axis(idx, order, -1)
+        rep = np.zeros(idx.shape, dtype=bool)
+        rep[..., 1:] = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+        back = np.zeros_like(rep)
+        np.put_along_axis(back, order, rep, -1)
+        return np.where(back, -1, idx)
+    srt, order = idx.sort(dim=-1, stable=True)
+    rep = srt.new_zeros(srt.shape).bool()
+    rep[..., 1:] = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+    back = rep.new_zeros(rep.shape).scatter_(-1, order, rep)
+    return idx.masked_fill(back, -1)

@@ -22,7 +22,7 @@ from .cases import SINK_MODES, TOPK_MODES, Case
 SIZE_FIELDS = ("B", "S", "Skv", "H", "L", "Dqk", "Dv")
 MODE_FIELDS = {"sink": SINK_MODES, "topk": TOPK_MODES}
 BUDGET_ENV = "SMQA_COMPILE_BUDGET"
-DEFAULT_BUDGET = {"dev": 8, "ci": 16, "nightly": 32}
+DEFAULT_BUDGET = {"dev": 8, "ci": 16, "nightly": 32, "scale": 16}
 
 
 @dataclass(frozen=True)

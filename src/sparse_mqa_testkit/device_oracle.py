@@ -21,7 +21,7 @@ import torch
 
 from . import contract
 
-CHUNK_BYTES = 1 << 28  # gathered KV rows per chunk, in the compute dtype
+CHUNK_BYTES = 1 << 28  # per chunk of query rows: their gathered KV rows and per-head vectors, in the compute dtype
 
 
 def _prepare(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, grad_out=None):
@@ -31,7 +31,8 @@ def _prepare(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, grad_out=Non
 
 
 def _chunks(dims, dtype, chunk_bytes):
-    per_row = max(1, dims.L * dims.Dqk * torch.finfo(dtype).bits // 8)
+    # a query row gathers L KV rows and holds H-row tensors (q, dO, dq) beside the [H, L] scores
+    per_row = max(1, ((dims.L + 2 * dims.H) * dims.Dqk + 4 * dims.H * dims.L) * torch.finfo(dtype).bits // 8)
     n = max(1, chunk_bytes // per_row)
     for b in range(dims.B):
         for i in range(0, dims.S, n):

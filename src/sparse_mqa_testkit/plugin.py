@@ -39,7 +39,7 @@ from . import gpu_workers, profiles
 BACKEND_ENV = "SMQA_BACKEND"
 LIMITS_ENV = "SMQA_LIMITS"
 SUITE_PACKAGE = "sparse_mqa_testkit.property_tests"
-FIXTURES = ("smqa_backend", "smqa_case", "smqa_checks", "smqa_check")
+FIXTURES = ("smqa_backend", "smqa_case", "smqa_checks", "smqa_check", "smqa_scale_case")
 _STATE = pytest.StashKey[dict]()
 _REC = pytest.StashKey[object]()
 
@@ -67,6 +67,9 @@ def pytest_addoption(parser):
     g.addoption("--smqa-allow-missing", action="store_true",
                 help="skip a backend whose optional packages are not installed (MissingDependency) instead of "
                      "failing the run; a backend that fails to import for any other reason is always an error")
+    g.addoption("--smqa-scale", action="store_true",
+                help="also run the scale tier: production-shaped cases on each CUDA backend (the scale profile "
+                     "runs only that tier)")
     g.addoption("--smqa-limits", default=None, metavar="SIZE=N,...",
                 help="raise or lower the drawn size limits: B, S, Skv, H, L (largest size) and work "
                      f"(B*S*H*L*Dqk); default ${LIMITS_ENV}, e.g. L=130,H=20")
@@ -97,7 +100,8 @@ def pytest_configure(config):
     for line in ("gpu: needs a CUDA GPU (skipped with the reason when CUDA is absent)",
                  "slow: long-running",
                  "smqa_cases(n): number of drawn cases the smqa_case fixture is parametrized with",
-                 "smqa_outside_domain: smqa_check runs the checks that judge cases outside the declared domain"):
+                 "smqa_outside_domain: smqa_check runs the checks that judge cases outside the declared domain",
+                 "smqa_scale: the scale tier (runs with --smqa-scale or --smqa-profile scale)"):
         config.addinivalue_line("markers", line)
     config.stash[_STATE] = {"backends": {}, "plans": {}, "drawn": {}, "reports": []}
     config.pluginmanager.register(_Reports(config.stash[_STATE]), "smqa-reports")
@@ -260,6 +264,11 @@ def pytest_generate_tests(metafunc):
         return
     names = _names(metafunc.config)
     own = {a for m in metafunc.definition.iter_markers("parametrize") for a in _argnames(m)}
+    if "smqa_scale_case" in metafunc.fixturenames:
+        pairs = _scale_plan(metafunc.config, names)
+        metafunc.parametrize("smqa_backend,smqa_scale_case", pairs, indirect=True, scope="session",
+                             ids=[f"{n}-{c.describe()}" if c else n for n, c in pairs])
+        return
     if "smqa_backend" not in own:
         metafunc.parametrize("smqa_backend", names, ids=names, indirect=True, scope="session")
     if "smqa_check" in metafunc.fixturenames and "smqa_check" not in own:
@@ -271,6 +280,33 @@ def pytest_generate_tests(metafunc):
     if "smqa_case" in metafunc.fixturenames and "smqa_case" not in own:
         n = _n_cases(metafunc.definition)
         metafunc.parametrize("smqa_case", range(n), ids=[f"case{i}" for i in range(n)], indirect=True)
+
+
+def _scale_active(config) -> tuple[bool, str]:
+    """(whether the scale tier runs, the profile name); the profile's errors are reported by _selected."""
+    try:
+        profile = profiles.profile_name(config.getoption("smqa_profile"))
+    except ValueError:
+        return False, ""
+    return profile == "scale" or bool(config.getoption("smqa_scale")), profile
+
+
+def _scale_plan(config, names) -> list[tuple]:
+    """(backend name, case) pairs of the scale tier; (name, None) for each backend when the tier is off or the
+    backends cannot load (the items are deselected, or report the load error)."""
+    from . import scale
+    from .planning import rotation
+
+    active, profile = _scale_active(config)
+    if not active:
+        return [(n, None) for n in names]
+    try:
+        state = _selected(config)
+    except pytest.UsageError:
+        return [(n, None) for n in names]
+    seed = rotation(profile) or None
+    return [(n, c) for n in names if n in state["backends"]
+            for c in scale.plan(state["backends"][n], profile, seed)] or [(n, None) for n in names]
 
 
 def _n_cases(node) -> int:
@@ -296,12 +332,18 @@ def pytest_collection_modifyitems(config, items):
         except pytest.UsageError:
             return
     wanted = _selected(config)["checks"]
-    if not wanted:
-        return
+    scale_on, profile = _scale_active(config)
     keep, drop = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        chosen = params["smqa_check"] in wanted if "smqa_check" in params else not _is_suite(item)
+        if item.get_closest_marker("smqa_scale") is not None:
+            chosen = scale_on and params.get("smqa_scale_case") is not None
+        elif profile == "scale" and _is_suite(item):
+            chosen = False  # the scale profile runs the tier alone
+        elif wanted:
+            chosen = params["smqa_check"] in wanted if "smqa_check" in params else not _is_suite(item)
+        else:
+            chosen = True
         (keep if chosen else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
@@ -438,6 +480,29 @@ def smqa_case(request, smqa_backend, smqa_plan):
     drawn = state["drawn"][key]
     _recorder(request.node)
     return drawn_case(smqa_backend, drawn[getattr(request, "param", 0) % len(drawn)])
+
+
+@pytest.fixture
+def smqa_scale_case(request, smqa_backend):
+    """A production-shaped case of the scale tier (``sparse_mqa_testkit.scale``), checked to fit in the
+    backend's device memory first (skipped with the numbers when it does not)."""
+    from . import scale
+    from .checks.inputs import reference
+
+    case = request.param
+    device = str(getattr(smqa_backend, "device", "cpu"))
+    if not device.startswith("cuda"):
+        pytest.skip(f"the scale tier runs production sizes on a CUDA backend; {smqa_backend.name!r} runs on "
+                    f"{device}")
+    reference.cache_clear()  # the last case's references hold tens of GiB
+    import torch
+
+    torch.cuda.empty_cache()
+    reason = scale.fits(case, device)
+    if reason:
+        pytest.skip(reason)
+    _recorder(request.node)
+    return case
 
 
 @pytest.fixture(scope="session")

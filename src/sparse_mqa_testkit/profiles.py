@@ -1,4 +1,5 @@
-"""Hypothesis profiles for the conformance suite: ``dev`` (fast), ``ci`` (reproducible), ``nightly`` (searching).
+"""Hypothesis profiles for the conformance suite: ``dev`` (fast), ``ci`` (reproducible), ``nightly`` (searching),
+``scale`` (only the production-shaped tier, ``sparse_mqa_testkit.scale``; settings as ``ci``).
 
 Chosen by ``--smqa-profile`` or ``SMQA_PROFILE`` (default ``dev``) and applied to the suite's own tests
 only (``active()``), so a downstream repo's other Hypothesis tests keep their settings.
@@ -23,14 +24,14 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase, MultiplexedDatabase
 
-PROFILES = ("dev", "ci", "nightly")
+PROFILES = ("dev", "ci", "nightly", "scale")
 DEFAULT_PROFILE = "dev"
 PROFILE_ENV = "SMQA_PROFILE"
 DATABASE_ENV = "SMQA_DATABASE"
 MAX_EXAMPLES_ENV = "SMQA_MAX_EXAMPLES"  # overrides the profile's examples per test (the nightly driver sizes rounds)
 
 # Examples per property test. ci is sized so a 2-core CPU run of `reference` stays well under 3 minutes.
-MAX_EXAMPLES = {"dev": 12, "ci": 100, "nightly": 2000}
+MAX_EXAMPLES = {"dev": 12, "ci": 100, "nightly": 2000, "scale": 100}
 
 _SUPPRESS = (HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
              HealthCheck.differing_executors)
@@ -130,12 +131,12 @@ def profile_settings(name: str, database: str | os.PathLike | None = None) -> se
     if name not in PROFILES:
         raise ValueError(f"profile must be one of {PROFILES}, got {name!r}")
     explicit = database or os.environ.get(DATABASE_ENV)
-    db = None if name == "ci" and not explicit else example_database(explicit)
+    db = None if name in ("ci", "scale") and not explicit else example_database(explicit)
     common = dict(deadline=None, database=db, suppress_health_check=_SUPPRESS,
                   max_examples=max_examples_override() or MAX_EXAMPLES[name])
     if name == "dev":
         return settings(phases=_NO_TARGET, **common)
-    if name == "ci":
+    if name in ("ci", "scale"):
         # derandomized unless pointed at a database (Hypothesis allows only one: replaying wins)
         return settings(derandomize=db is None, phases=_NO_TARGET, print_blob=True, **common)
     # nightly: the target phase climbs hypothesis.target(ratio) toward a failure

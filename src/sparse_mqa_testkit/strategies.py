@@ -16,7 +16,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from . import contract
-from .cases import EMPTY_LSE_MODES, INVALID_MODES, ORDERS, SINK_MODES, TOPK_MODES, Case
+from .cases import EMPTY_LSE_MODES, INVALID_MODES, MAGNITUDES, ORDERS, PATTERNS, SINK_MODES, TOPK_MODES, Case
 
 # Small dims keep CPU runs fast; production dims are added when the backend asks for them.
 SMALL_DIMS = ((16, 8), (8, 8), (24, 16), (5, 3), (1, 1))
@@ -78,6 +78,9 @@ def case_events(case: Case, tiles: dict | None = None) -> list[str]:
         out.append("duplicates")
     if case.empty_lse == "neg_inf":
         out.append("empty lse -inf")
+    out.append(f"pattern {case.pattern}")
+    if case.magnitude != "unit":
+        out.append(f"magnitude {case.magnitude}")
     if case.L > case.Skv:
         out.append("L > Skv")
     return out
@@ -137,6 +140,8 @@ def cases(draw, *, dims=None, tiles: dict | None = None, max_b: int = 2, max_s: 
         duplicates=draw(st.booleans()),
         order=draw(st.sampled_from(ORDERS)),
         empty_lse=draw(st.sampled_from(EMPTY_LSE_MODES)),
+        pattern=draw(st.sampled_from(PATTERNS)),
+        magnitude=draw(st.sampled_from(MAGNITUDES)),
         seed=draw(st.integers(0, 2**32 - 1)),
     )
     return _emit(case, tiles)

@@ -23,7 +23,8 @@ from sparse_mqa_testkit import contract, device_oracle
 from sparse_mqa_testkit.backends import get_backend
 
 from .report import add_ratios, fmt_status, format_table, plot, pyplot, row
-from .shapes import (ANCHOR, ANCHOR_H, ANCHOR_L, PRESETS, SWEEP_L, SWEEP_S, make_inputs, plan_shapes, tflops)
+from .shapes import (ANCHOR, ANCHOR_H, ANCHOR_L, INDICES, PRESETS, SWEEP_L, SWEEP_S, make_inputs, plan_shapes,
+                     tflops)
 from .timing import stability, time_calls
 
 
@@ -54,13 +55,13 @@ def _progress(msg: str, quiet: bool) -> None:
 
 
 def run(shapes, *, backward=("cudnn", "tilelang"), forward=("tilelang",), device="cuda", sets=3, warmup=3,
-        iters=20, repeats=3, sink=False, quiet=False, checkpoint=None) -> dict:
+        iters=20, repeats=3, sink=False, indices="random", quiet=False, checkpoint=None) -> dict:
     """Time every backend at every shape; returns the JSON-able results (see ``main`` for the CLI).
 
     ``checkpoint(results)`` (optional) gets the results so far after each shape, so a run cut short by a time
     limit still leaves its finished rows.
     """
-    settings = {"sets": sets, "warmup": warmup, "iters": iters, "repeats": repeats, "sink": sink}
+    settings = {"sets": sets, "warmup": warmup, "iters": iters, "repeats": repeats, "sink": sink, "indices": indices}
     fwd = {n: _load(n, device) for n in forward}
     bwd = {n: _load(n, device) for n in backward}
     rows = []
@@ -68,7 +69,7 @@ def run(shapes, *, backward=("cudnn", "tilelang"), forward=("tilelang",), device
     done = 0
     for shape, groups in shapes:
         _progress(f"[{shape.label}] making {sets} input sets on {device}", quiet)
-        inputs = [make_inputs(shape, device, seed=k, sink=sink) for k in range(sets)]
+        inputs = [make_inputs(shape, device, seed=k, sink=sink, indices=indices) for k in range(sets)]
         primal = None  # (out, lse) per set, from the first forward that runs
         source = None
         for name, (backend, reason) in fwd.items():
@@ -195,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=20, help="timed runs per row; the median is reported")
     p.add_argument("--repeats", type=int, default=3, help="backward repeats for the bitwise-stability column")
     p.add_argument("--sink", action="store_true", help="give every head a finite attn_sink")
+    p.add_argument("--indices", choices=INDICES, default="random",
+                   help="top-k pattern: random (distinct, uniform), local (causal window plus far picks, "
+                        "neighbouring queries share most slots) or hot (8 rows every query names)")
     p.add_argument("--json", dest="json_path", default="sparse-mqa-bench.json", help="where to write results")
     p.add_argument("--plot", default=None, help="draw the sweeps into this image (needs matplotlib)")
     p.add_argument("--from-json", default=None, help="skip running: print/plot an earlier results file")
@@ -228,7 +232,7 @@ def main(argv=None) -> int:
 
         results = run(shapes, backward=args.backward, forward=args.forward, device=device, sets=args.sets,
                       warmup=args.warmup, iters=args.iters, repeats=args.repeats, sink=args.sink,
-                      quiet=args.quiet, checkpoint=save)
+                      indices=args.indices, quiet=args.quiet, checkpoint=save)
         save(results, partial=False)
     print(f"{results['device']}, {results['date']}")
     print(format_table(results["rows"]))

@@ -69,8 +69,14 @@ def plan_shapes(*, heads=ANCHOR_H, topks=ANCHOR_L, S=ANCHOR["S"], Skv=ANCHOR["Sk
 
 # ---- inputs -----------------------------------------------------------------------------------------------------
 
-def make_inputs(shape: Shape, device, seed: int, sink: bool = False) -> dict:
-    """One input set on ``device``: q, kv, grad_out bf16 N(0, 1); distinct random top-k indices per row."""
+INDICES = ("random", "local", "hot")  # the testkit's index patterns (sparse_mqa_testkit.cases.PATTERNS)
+
+
+def make_inputs(shape: Shape, device, seed: int, sink: bool = False, indices: str = "random") -> dict:
+    """One input set on ``device``: q, kv, grad_out bf16 N(0, 1); distinct random top-k indices per row, or the
+    ``local`` (causal window plus far picks) or ``hot`` (a few rows every query names) pattern."""
+    if indices not in INDICES:
+        raise ValueError(f"indices must be one of {', '.join(INDICES)}, got {indices!r}")
     g = torch.Generator(device=device).manual_seed(seed)
     B, S, Skv, H, L = shape.B, shape.S, shape.Skv, shape.H, shape.L
     q = torch.randn(B, S, H, shape.Dqk, generator=g, device=device).to(torch.bfloat16)
@@ -84,6 +90,12 @@ def make_inputs(shape: Shape, device, seed: int, sink: bool = False) -> dict:
             keys = torch.rand(n, Skv, generator=g, device=device)
             idx[b, i:i + n] = keys.argsort(dim=-1)[:, :L].to(torch.int32) if L <= Skv else \
                 torch.randint(0, Skv, (n, L), generator=g, device=device, dtype=torch.int32)
+    if indices != "random":
+        from sparse_mqa_testkit.cases import Case, draw_indices
+        from sparse_mqa_testkit.torch_io import TorchDraws
+
+        case = Case(B=B, S=S, Skv=Skv, H=H, L=L, Dqk=shape.Dqk, Dv=shape.Dv, pattern=indices, seed=seed)
+        idx = draw_indices(case, TorchDraws(g, device))
     attn_sink = torch.randn(H, generator=g, device=device) if sink else None
     return {"q": q, "kv": kv, "indices": idx, "grad_out": grad_out, "attn_sink": attn_sink, "topk_length": None,
             "sm_scale": 1.0 / math.sqrt(shape.Dqk), "d_v": shape.Dv}

@@ -11,24 +11,25 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from .. import contract
 from .inputs import (OUTPUTS, backend_inputs, bits_differ, bitwise_equal, call_named, directions, first_difference,
-                     snapshot)
+                     reference, snapshot, truth_device)
 from .result import exception_summary, fmt_index, result
 from .tolerance import K_DEFAULT, compare_outputs
 
 
-def unreferenced_rows(case):
-    """Boolean [B, Skv] NumPy mask of KV rows that no valid slot of ``case`` references."""
-    x = case.inputs()
-    valid = contract.valid_mask(x["indices"], case.Skv, x["topk_length"])
-    used = np.zeros((case.B, case.Skv), dtype=bool)
-    b = np.broadcast_to(np.arange(case.B)[:, None, None], valid.shape)
-    used[b[valid], x["indices"][valid]] = True
-    return ~used
+def unreferenced_rows(case, device=None):
+    """Boolean [B, Skv] torch mask of KV rows that no valid slot of ``case`` references, on the device the
+    case's reference lives on for a backend on ``device``."""
+    x = reference(case, truth_device(device, case)).inputs
+    idx = x["indices"]
+    valid = contract.valid_mask(idx, case.Skv, x["topk_length"])
+    batch = torch.arange(case.B, device=idx.device)[:, None, None] * case.Skv
+    used = torch.zeros(case.B * case.Skv, dtype=torch.bool, device=idx.device)
+    used[(batch + idx.long())[valid]] = True
+    return ~used.reshape(case.B, case.Skv)
 
 
 def other_case(case):
@@ -66,8 +67,8 @@ def check_guards(backend, case, *, k: float = K_DEFAULT):
     """Poisoned unreferenced KV rows change nothing; every output element is written on every call."""
     check = "guards"
     claims = bool(getattr(backend, "deterministic", False))
-    unref = unreferenced_rows(case)
-    notes = {"poisoned_rows": int(unref.sum()), "rows": int(unref.size)}
+    unref = unreferenced_rows(case, getattr(backend, "device", None))
+    notes = {"poisoned_rows": int(unref.sum()), "rows": int(unref.numel())}
     if not unref.any():
         notes["poison"] = "every KV row is referenced: nothing to poison in this case"
     problems, per_tensor, worst = [], {}, 0.0
@@ -79,7 +80,7 @@ def check_guards(backend, case, *, k: float = K_DEFAULT):
             if unref.any():
                 tp = dict(t)
                 kv = t["kv"].clone()
-                kv[torch.from_numpy(unref).to(kv.device)] = math.nan
+                kv[unref.to(kv.device)] = math.nan
                 tp["kv"] = kv
                 probs, pt, w = _same("with unreferenced KV rows set to NaN", snapshot(call_named(backend, which, tp)),
                                      clean, claims, case, backend, which, k, t)

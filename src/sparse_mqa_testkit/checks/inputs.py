@@ -1,18 +1,20 @@
-"""What a check feeds a backend and compares with: inputs, oracle results, calls, and bitwise helpers.
+"""What a check feeds a backend and compares with: inputs, the reference results, calls, and bitwise helpers.
 
-The oracle runs once per case (cached): float64 is the truth, float32 rounded to each output's kernel dtype is
-the bf16-output oracle whose error sets the tolerance.
+The reference is computed once per case and device (cached): the float64 oracle is the truth, float32 math
+rounded to each output's kernel dtype is the bf16-output oracle whose error sets the tolerance, and the error
+model's terms come with them. For a CPU backend the NumPy oracle computes them on the host (the root of
+trust); for a CUDA backend, and for every ``large`` case, the device oracle does, on the backend's device.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 import torch
 
-from .. import oracle
-from ..oracle.bf16 import round_bf16
+from .. import contract, device_oracle, oracle
 from ..torch_io import case_tensors, to_torch
 
 BACKWARD_OUTPUTS = ("dq", "dkv", "d_sink")
@@ -29,7 +31,7 @@ def _frozen(a):
 
 @lru_cache(maxsize=16)
 def oracle_results(case) -> dict:
-    """{"f64": {...}, "f32": {...}} with out, lse, dq, dkv, d_sink as read-only NumPy arrays per precision."""
+    """The NumPy oracle's {"f64": {...}, "f32": {...}}: out, lse, dq, dkv, d_sink as read-only arrays."""
     x = case.inputs()
     kw = dict(sm_scale=x["sm_scale"], d_v=x["d_v"], attn_sink=x["attn_sink"], topk_length=x["topk_length"])
     res = {}
@@ -37,10 +39,53 @@ def oracle_results(case) -> dict:
         out, lse = oracle.forward(x["q"], x["kv"], x["indices"], dtype=dt, **kw)
         dq, dkv, d_sink = oracle.backward(x["q"], x["kv"], x["indices"], x["grad_out"], dtype=dt, **kw)
         res[key] = {k: _frozen(v) for k, v in dict(out=out, lse=lse, dq=dq, dkv=dkv, d_sink=d_sink).items()}
-    # sum_t P_t kv[idx_t] over all Dqk columns: the direction an error in Delta moves dq along
-    kw_full = dict(kw, d_v=case.Dqk)
-    res["f64"]["out_full"] = _frozen(oracle.forward(x["q"], x["kv"], x["indices"], dtype=np.float64, **kw_full)[0])
     return res
+
+
+RESULTS = ("out", "lse", "dq", "dkv", "d_sink")
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A case on one device: its inputs, the float64 oracle's results (``o64``), the bf16-output oracle's
+    (``ref``: float32 math in each result's kernel dtype) and the error model's terms per row (``terms``)."""
+
+    inputs: dict
+    o64: dict
+    ref: dict
+    terms: dict
+
+
+def truth_device(backend_device, case) -> str:
+    """Where a case's reference is computed: the host for a CPU backend (NumPy), else the backend's device."""
+    dev = str(backend_device or "cpu")
+    return "cpu" if dev == "cpu" and not case.large else dev
+
+
+def _kernel_dtype(name: str):
+    return getattr(torch, contract.KERNEL_DTYPES[name])
+
+
+@lru_cache(maxsize=2)
+def reference(case, device: str = "cpu") -> Reference:
+    """The case's reference on ``device`` ("cpu": the NumPy oracle, unless the case is large)."""
+    from .error_model import row_terms
+
+    t = case_tensors(case, device)
+    if device == "cpu" and not case.large:
+        res = oracle_results(case)
+        o64 = {k: to_torch(v, device) for k, v in res["f64"].items() if k in RESULTS}
+        ref = {k: to_torch(v, device, _kernel_dtype(k)) for k, v in res["f32"].items() if k in RESULTS}
+    else:
+        kw = dict(sm_scale=t["sm_scale"], d_v=t["d_v"], attn_sink=t["attn_sink"], topk_length=t["topk_length"])
+        o64, ref = {}, {}
+        for store, dtype in ((o64, torch.float64), (ref, torch.float32)):
+            store["out"], store["lse"] = device_oracle.forward(t["q"], t["kv"], t["indices"], dtype=dtype, **kw)
+            store["dq"], store["dkv"], store["d_sink"] = device_oracle.backward(
+                t["q"], t["kv"], t["indices"], t["grad_out"], dtype=dtype, **kw)
+        ref = {k: None if v is None else v.to(_kernel_dtype(k)) for k, v in ref.items()}
+    terms = row_terms(t, o64["out"], o64["lse"])
+    return Reference(t, o64, ref, terms)
 
 
 def backend_inputs(backend, case) -> dict:
@@ -49,15 +94,16 @@ def backend_inputs(backend, case) -> dict:
     Keys: q, kv, out, grad_out, lse, attn_sink, indices, topk_length (tensors or None), sm_scale, d_v.
     out and lse come from the float64 oracle forward, rounded to what a forward returns (out bfloat16, lse
     float32, natural log, sink excluded); an empty row's lse is +inf, or -inf for ``case.empty_lse="neg_inf"``.
+    The tensors are the backend's own copies: a backend that writes into them leaves the reference alone.
     """
     dev = getattr(backend, "device", "cpu")
-    t = case_tensors(case, dev)
-    f64 = oracle_results(case)["f64"]
-    lse = f64["lse"].astype(np.float32)
+    r = reference(case, truth_device(dev, case))
+    t = {k: (v.to(dev, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in r.inputs.items()}
+    lse = r.o64["lse"].to(dev, torch.float32)
     if case.empty_lse == "neg_inf":
-        lse = np.where(np.isposinf(lse), np.float32(-np.inf), lse)
-    t["out"] = to_torch(round_bf16(f64["out"]), dev)
-    t["lse"] = to_torch(lse, dev)
+        lse = torch.where(torch.isposinf(lse), -torch.inf, lse)
+    t["out"] = r.o64["out"].to(dev).to(torch.bfloat16)
+    t["lse"] = lse
     return t
 
 

@@ -1,23 +1,26 @@
 """Tolerance from an error model: a kernel may be k times as far from the float64 oracle as a bf16 pipeline
-has to be, plus a small floor.
+has to be, plus a small floor; over the whole result, and row by row.
 
-Per tensor, over the entries the oracle has finite:
-    error    = ||kernel - oracle64|| / ||oracle64||                        (relative L2)
-    rounding = ||ref - oracle64|| / ||oracle64||    ref: float32 math rounded to the output's kernel dtype
-    delta    = estimate of the error from Delta = <dO, out> formed with the bf16 out a backward is given
-               (``delta_allowance``; 0 for out and lse)
-    repeats  = estimate of the error from bf16 P and dS when several slots of one row name the same KV row:
-               their roundings are then identical and add up instead of averaging (``repeat_allowance``;
-               0 without duplicates, and for out, lse and d_sink)
-    operands = the change of dq or dkv when P and sm_scale dS are rounded to bf16 before their products,
-               computed on the case (``operand_rounding``; 0 for the others). Output rounding is about as large
-               while a result's terms do not cancel (k was calibrated there); where they cancel it is the
-               larger, and k applies to it instead
+Per result (and per row of it: a (query, head) of dq, out and lse, a KV row of dkv, a head of d_sink), over
+the entries the oracle has finite:
+    error    = ||kernel - oracle64||                         (relative L2 for the whole result)
+    rounding = ||ref - oracle64||       ref: float32 math rounded to the output's kernel dtype
+    delta, repeats, operands: the error model's terms (``error_model``): Delta from the bf16 out a backward is
+               given, the coherent rounding of repeated rows, and the rounding of P and sm_scale dS before
+               their products. Output rounding is about as large as the operands' while a result's terms do
+               not cancel (k was calibrated there); where they cancel the operands' is the larger, and k
+               applies to it instead
     allowed  = k * max(hypot(rounding, delta, repeats), operands) + floor
+The floor is relative to the larger of the result's norm and its ``unsummed`` norm (the norm its terms would
+have without cancelling: a float32 sum is accurate relative to that). A row's floor is the same on the row's
+own (or unsummed) norm plus the same share of a typical row's norm, so a row that is nearly zero is not held to
+a relative measure it cannot have. The whole result's
+measure sees a systematic error; a row's sees a local one (one KV row of 8192 off by 5 % moves the whole
+dkv's relative L2 by 5.5e-4, far inside its allowance, and its own row's by 5 %).
 A zero oracle tensor (every row empty, every sink +inf, ...) has no scale: then all are absolute L2 norms.
-A bf16 result within one ulp of the exact value everywhere passes too (the best a bf16 output can do, even
-where the exact value is representable and ``rounding`` is 0). NaN / +inf / -inf positions must match the
-oracle exactly; shapes, dtypes and devices must be the contract's.
+A bf16 result (or row) within one ulp of the exact value everywhere passes too (the best a bf16 output can
+do, even where the exact value is representable and ``rounding`` is 0). NaN / +inf / -inf positions must
+match the oracle exactly; shapes, dtypes and devices must be the contract's.
 
 Calibration (issue 3, 2026-11-30, S256 Skv512 H16 L128 576/512): bf16 rounding of the exact gradients costs
 1.66e-3 relative L2; cuDNN's and TileLang's backward kernels on an H200 land at 2.26e-3 to 2.39e-3, about
@@ -31,13 +34,12 @@ cases: never the larger); on small dims it was the larger in 44 of 1200 cases, b
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
-import numpy as np
 import torch
 
 from .. import contract
-from .inputs import BACKWARD_OUTPUTS, FORWARD_OUTPUTS, as_f64, backend_inputs, call, has_forward, oracle_results
+from .error_model import ALL_TERMS, ROW_DIMS
+from .inputs import BACKWARD_OUTPUTS, FORWARD_OUTPUTS, as_f64, backend_inputs, call, has_forward, reference, truth_device
 from .result import exception_summary, fmt_index, fmt_value, result
 
 K_DEFAULT = 2.5
@@ -50,7 +52,7 @@ K_DEFAULT = 2.5
 # Survey with the emulation in tests/broken_backends.py (EmulatedKernel), 2026-11-30, whole model: 150 drawn
 # 576/512 cases, worst ratio 0.87 (dkv), lse 0.04; 500 drawn small-dim cases, worst 0.90, except dkv with
 # Dqk = 1 and Skv = 1 (one value summing every slot's dS with cancellation, no kernel has Dqk = 1): 3.6, and
-# 1.03 (160 cases, one above 1) once ``repeat_allowance`` counted the coherent rounding of repeated rows.
+# 1.03 (160 cases, one above 1) once the repeat term counted the coherent rounding of repeated rows.
 FLOORS = {
     "dq": 1e-5,
     "dkv": 1e-5,
@@ -59,6 +61,7 @@ FLOORS = {
     "lse": 1e-5,     # fp32 exp/log (or exp2/log2 with approximate intrinsics): a few float32 ulps, 10x margin
 }
 SMALL_SAMPLE = 2.0 ** -7  # bf16 outputs only; divided by sqrt(number of finite elements)
+COMPARE_BYTES = 1 << 30  # float64 temporaries of a comparison, per slice of the leading dimension
 
 
 def structural_problem(name: str, value, expected_shape, *, device: str | None = None) -> str | None:
@@ -90,262 +93,208 @@ def bf16_ulp(x):
     return torch.where(x == 0, torch.full_like(x, 2.0 ** -133), ulp).clamp_min(2.0 ** -133)
 
 
-def compare_tensor(name: str, kernel, oracle64, ref64, *, k: float = K_DEFAULT, floor: float | None = None,
-                   extra: dict | None = None, operand: float = 0.0):
-    """Compare one result with the float64 oracle under the error model.
+def _slices(t):
+    """Slices of the leading dimension whose float64 copies stay within COMPARE_BYTES."""
+    per = max(1, t[0].numel() * 8) if t.dim() and t.shape[0] else 1
+    step = max(1, COMPARE_BYTES // per)
+    return [slice(i, i + step) for i in range(0, t.shape[0], step)] if t.dim() else [slice(None)]
 
-    extra: absolute L2 errors of the bf16 model that output rounding does not show, by source
-    ({"Delta": ``delta_allowance``, "repeated rows": ``repeat_allowance``}); they join the rounding error in
-    quadrature before k applies. operand: absolute L2 error of rounding the operands of the result's products
-    (``operand_rounding``); k applies to it instead where it is the larger.
-    Returns (entry, problem): entry has error, allowed, ratio, reference_error, floor, k, mode, mismatches,
-    numel, worst_index, worst_kernel, worst_oracle; problem is a message block or None when it passes.
+
+def _nonfinite_mismatch(name, a, o):
+    """The first class of NaN / +inf / -inf whose positions differ, as (entry fields, message), else None."""
+    for label, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        count, first = 0, None
+        for sl in _slices(o):
+            bad = fn(a[sl]) != fn(o[sl])
+            n = int(bad.sum())
+            if n and first is None:
+                first = tuple(int(i) for i in torch.nonzero(bad)[0])
+                first = (first[0] + (sl.start or 0),) + first[1:] if first else first
+            count += n
+        if count:
+            idx = first
+            fields = dict(mismatches=count, worst_index=idx, worst_kernel=float(a[idx]), worst_oracle=float(o[idx]),
+                          mode="nonfinite")
+            return fields, (f"{name}: {label} positions differ from the oracle at {count} / {o.numel()} elements\n"
+                            f"  first at index {fmt_index(idx)}: kernel {fmt_value(a[idx])}, "
+                            f"oracle {fmt_value(o[idx])}")
+    return None
+
+
+def _row_sums(name, a, o, r):
+    """Per row (``ROW_DIMS``): squared error, squared rounding, squared oracle norm, finite count and the
+    largest difference in bf16 ulps; over the finite entries of the oracle. Float64 on o's device."""
+    lead = ROW_DIMS.get(name, o.dim())
+    out = {k: torch.zeros(o.shape[:lead], dtype=torch.float64, device=o.device) for k in ("err2", "ref2", "o2", "ulps")}
+    out["n"] = torch.zeros(o.shape[:lead], dtype=torch.int64, device=o.device)
+    dims = tuple(range(lead - 1, o.dim() - 1)) if o.dim() > lead - 1 else ()
+    for sl in _slices(o):
+        oo = o[sl].to(torch.float64)
+        fin = torch.isfinite(oo)
+        zero = torch.zeros((), dtype=torch.float64, device=o.device)
+        d = torch.where(fin, a[sl].to(o.device, torch.float64) - oo, zero)
+        rz = torch.where(fin, r[sl].to(o.device, torch.float64) - oo, zero)
+        oz = torch.where(fin, oo, zero)
+        red = tuple(range(lead, o.dim()))
+
+        def total(x):
+            return x.sum(red) if red else x
+
+        out["err2"][sl], out["ref2"][sl], out["o2"][sl] = total(d * d), total(rz * rz), total(oz * oz)
+        out["n"][sl] = total(fin.long())
+        if contract.KERNEL_DTYPES.get(name) == "bfloat16":
+            ulps = (d.abs() / bf16_ulp(torch.maximum(a[sl].to(o.device, torch.float64).abs(), oo.abs())))
+            ulps = ulps.masked_fill(~fin, 0)
+            out["ulps"][sl] = ulps.amax(red) if red else ulps
+    return out
+
+
+def compare_tensor(name: str, kernel, oracle64, ref64, *, k: float = K_DEFAULT, floor: float | None = None,
+                   terms: dict | None = None):
+    """Compare one result with the float64 oracle under the error model, over the whole result and per row.
+
+    terms: the error model's squared absolute errors per row ({"delta", "repeat", "operand"}: tensors of the
+    result's row shape, ``error_model.row_terms``); none means zero.
+    Returns (entry, problem): entry has error, allowed, ratio (the larger of the whole result's and the worst
+    row's), reference_error, floor, k, mode, worst_row (index, error, allowed, ratio), mismatches, numel,
+    worst_index, worst_kernel, worst_oracle; problem is a message block or None when it passes.
     """
-    a, o, r = as_f64(kernel), as_f64(oracle64), as_f64(ref64)
-    extra = extra or {}
+    a = kernel.detach() if isinstance(kernel, torch.Tensor) else as_f64(kernel)
+    o = oracle64.detach() if isinstance(oracle64, torch.Tensor) else as_f64(oracle64)
+    r = ref64.detach() if isinstance(ref64, torch.Tensor) else as_f64(ref64)
+    is_bf16 = contract.KERNEL_DTYPES.get(name) == "bfloat16"
     if floor is None:
-        n = max(int(torch.isfinite(o).sum()), 1)
-        small = SMALL_SAMPLE / math.sqrt(n) if contract.KERNEL_DTYPES.get(name) == "bfloat16" else 0.0
-        floor = FLOORS.get(name, 1e-5) + small
-    floor = float(floor)
+        floor = FLOORS.get(name, 1e-5)
+        small = SMALL_SAMPLE if is_bf16 else 0.0
+    else:
+        floor, small = float(floor), 0.0
     entry = {"error": math.inf, "allowed": floor, "ratio": math.inf, "reference_error": 0.0, "floor": floor,
              "k": k, "numel": int(o.numel())}
-    if a.shape != o.shape:
+    if tuple(a.shape) != tuple(o.shape):
         return entry, f"{name}: shape {tuple(a.shape)} is not the oracle's {tuple(o.shape)}"
-    # non-finite positions must match exactly, class by class
-    for label, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
-        ma, mo = fn(a), fn(o)
-        bad = ma != mo
-        if bool(bad.any()):
-            idx = tuple(int(i) for i in torch.nonzero(bad)[0])
-            entry.update(mismatches=int(bad.sum()), worst_index=idx, worst_kernel=float(a[idx]),
-                         worst_oracle=float(o[idx]), mode="nonfinite")
-            return entry, (f"{name}: {label} positions differ from the oracle at {int(bad.sum())} / {o.numel()} "
-                           f"elements\n  first at index {fmt_index(idx)}: kernel {fmt_value(a[idx])}, "
-                           f"oracle {fmt_value(o[idx])}")
-    fin = torch.isfinite(o)
-    d = torch.where(fin, a - o, torch.zeros((), dtype=torch.float64))
-    oz = torch.where(fin, o, torch.zeros((), dtype=torch.float64))
-    rz = torch.where(fin, r - o, torch.zeros((), dtype=torch.float64))
-    n_fin = int(fin.sum())
-    norm_o = float(torch.linalg.vector_norm(oz))
-    if norm_o > 0:
-        mode = "relative"
-        err = float(torch.linalg.vector_norm(d)) / norm_o
-        ref_err = float(torch.linalg.vector_norm(rz)) / norm_o
-        extras = {src: v / norm_o for src, v in extra.items()}
-        operand /= norm_o
-    else:  # a zero reference has no scale: absolute L2 against the floor (on the error scale when known)
-        mode = "absolute"
-        err = float(torch.linalg.vector_norm(d))
-        ref_err = float(torch.linalg.vector_norm(rz))
-        extras = dict(extra)
-    # the bf16 model's own error: output rounding and, independent of it, Delta from the bf16 out and
-    # coherent operand rounding on repeated rows; or the operands' rounding where the result cancels
+    bad = _nonfinite_mismatch(name, a, o)
+    if bad is not None:
+        entry.update(bad[0])
+        return entry, bad[1]
+    sums = _row_sums(name, a, o, r)
+    zero = torch.zeros_like(sums["o2"])
+    t2 = {t: (terms or {}).get(t, zero).to(zero.device, torch.float64) for t in ALL_TERMS}
+    n_fin = int(sums["n"].sum())
+    norm_o = math.sqrt(float(sums["o2"].sum()))
+    scale = norm_o if norm_o > 0 else 1.0
+    mode = "relative" if norm_o > 0 else "absolute"
+    err = math.sqrt(float(sums["err2"].sum())) / scale
+    ref_err = math.sqrt(float(sums["ref2"].sum())) / scale
+    extras = {"Delta": math.sqrt(float(t2["delta"].sum())) / scale,
+              "repeated rows": math.sqrt(float(t2["repeat"].sum())) / scale}
+    operand = math.sqrt(float(t2["operand"].sum())) / scale
+    # the whole result: output rounding and, independent of it, Delta from the bf16 out and coherent operand
+    # rounding on repeated rows; or the operands' rounding where the result cancels
     model_err = max(math.hypot(ref_err, *extras.values()), operand)
-    entry["operand_error"] = operand
-    allowed = k * model_err + floor
-    entry["delta_error"] = extras.get("Delta", 0.0)
-    entry["repeat_error"] = extras.get("repeated rows", 0.0)
-    # elementwise bound from the same model: allowed relative error on each element's own scale or the rms
-    rms = norm_o / math.sqrt(max(n_fin, 1))
-    bound = allowed * (oz.abs() + rms) if mode == "relative" else torch.full_like(oz, allowed)
-    excess = d.abs() / bound.clamp_min(1e-300)
-    mism = int((d.abs() > bound).sum())
-    if o.numel():
-        flat = int(torch.argmax(excess.reshape(-1)))
-        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(o.shape)))
-    else:
-        idx = ()
+    unsummed = (terms or {}).get("unsummed")
+    u_norm = torch.zeros_like(sums["o2"]) if unsummed is None else unsummed.to(zero.device, torch.float64).sqrt()
+    spread = max(1.0, float(u_norm.square().sum().sqrt()) / scale)  # cancellation: the floor on the terms' norm
+    whole_floor = floor * spread + small / math.sqrt(max(n_fin, 1))
+    allowed = k * model_err + whole_floor
     ratio = err / allowed if allowed > 0 else (0.0 if err == 0 else math.inf)
-    amax = tuple(int(i) for i in torch.unravel_index(torch.argmax(d.abs().reshape(-1)), tuple(o.shape))) \
-        if o.numel() else ()
-    ulps = None
-    if contract.KERNEL_DTYPES.get(name) == "bfloat16" and n_fin:
-        # A bf16 result within one ulp of the exact value everywhere is as good as a bf16 output gets, even
-        # where the exact value is representable and the rounded oracle has no error at all (e.g. Skv = 1).
-        ulps = float((d.abs() / bf16_ulp(torch.maximum(a.abs(), o.abs()))).masked_fill(~fin, 0).max())
-        entry["max_ulps"] = ulps
+    ulps = float(sums["ulps"].max()) if sums["ulps"].numel() and is_bf16 else None
+    if ulps is not None:
         ratio = min(ratio, ulps / ULP_PASS)
-    entry.update(error=err, allowed=allowed, ratio=ratio, reference_error=ref_err, mode=mode,
-                 mismatches=mism, worst_index=idx,
-                 worst_kernel=float(a[idx]) if o.numel() else math.nan,
-                 worst_oracle=float(o[idx]) if o.numel() else math.nan)
-    if ratio < 1 or err <= allowed:
+    # row by row: the same model on each row, the floor on the row's own norm plus a typical row's share
+    # an all-zero oracle has no row scale: the absolute whole-result measure is the only one
+    rows = sums["o2"].numel() if mode == "relative" else 0
+    row_norm = sums["o2"].sqrt()
+    typical = norm_o / math.sqrt(max(rows, 1))
+    row_model = torch.maximum((sums["ref2"] + t2["delta"] + t2["repeat"]).sqrt(), t2["operand"].sqrt())
+    row_floor = floor * (torch.maximum(row_norm, u_norm) + typical) + small / sums["n"].clamp_min(1).sqrt() * row_norm
+    row_allowed = k * row_model + row_floor
+    row_err = sums["err2"].sqrt()
+    row_ratio = torch.where(row_allowed > 0, row_err / row_allowed.clamp_min(1e-300),
+                            torch.where(row_err > 0, math.inf, 0.0))
+    if is_bf16:
+        row_ratio = torch.minimum(row_ratio, sums["ulps"] / ULP_PASS)
+    worst_flat = int(torch.argmax(row_ratio.reshape(-1))) if rows else 0
+    worst_row = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst_flat), tuple(row_ratio.shape))) \
+        if rows else ()
+    w_ratio = float(row_ratio.reshape(-1)[worst_flat]) if rows else 0.0
+    over = int((row_ratio >= 1).sum()) if rows else 0
+    entry.update(error=err, allowed=allowed, reference_error=ref_err, mode=mode, delta_error=extras["Delta"],
+                 repeat_error=extras["repeated rows"], operand_error=operand,
+                 whole_ratio=ratio, ratio=max(ratio, w_ratio), rows_over=over,
+                 worst_row={"index": worst_row, "ratio": w_ratio, "rows": rows,
+                            "error": float(row_err.reshape(-1)[worst_flat]) if rows else 0.0,
+                            "allowed": float(row_allowed.reshape(-1)[worst_flat]) if rows else 0.0,
+                            "norm": float(row_norm.reshape(-1)[worst_flat]) if rows else 0.0})
+    if ulps is not None:
+        entry["max_ulps"] = ulps
+    if entry["ratio"] < 1:
         return entry, None
-    what = "relative L2 error" if mode == "relative" else "absolute L2 error (oracle is all zero)"
-    pct = 100.0 * mism / max(o.numel(), 1)
     parts = "".join(f", {src} {v:.3e}" for src, v in extras.items() if v)
     if operand:
         parts += f"; operands rounded {operand:.3e}" + (", the larger" if model_err == operand else "")
-    msg = (f"{name}: {what} {err:.3e} > allowed {allowed:.3e} "
-           f"(= {k:g} x bf16 model error {model_err:.3e} [output rounding {ref_err:.3e}{parts}] "
-           f"+ floor {floor:.2e}); ratio {ratio:.3g}\n"
-           f"  Mismatched elements: {mism} / {o.numel()} ({pct:.1f}%) "
-           f"[bound per element: allowed x (|oracle| + rms(oracle))]\n"
-           f"  Worst element at index {fmt_index(idx)}: kernel {fmt_value(a[idx])}, oracle {fmt_value(o[idx])} "
-           f"(abs diff {fmt_value(abs(float(a[idx]) - float(o[idx])))}, "
-           f"{fmt_value(float(excess.reshape(-1)[flat]))}x its bound)\n"
-           f"  Greatest absolute difference: {fmt_value(d.abs().max())} at index {fmt_index(amax)}"
-           + ("" if ulps is None else f"\n  Largest difference in bf16 ulps: {ulps:.3g} (a result within 1 ulp "
-                                      "everywhere would pass)"))
-    return entry, msg
+    lines = []
+    if ratio >= 1:
+        what = "relative L2 error" if mode == "relative" else "absolute L2 error (oracle is all zero)"
+        lines.append(f"{name}: {what} {err:.3e} > allowed {allowed:.3e} "
+                     f"(= {k:g} x bf16 model error {model_err:.3e} [output rounding {ref_err:.3e}{parts}] "
+                     f"+ floor {whole_floor:.2e}); ratio {ratio:.3g}")
+    if w_ratio >= 1:
+        wr = entry["worst_row"]
+        rel = f" ({wr['error'] / wr['norm']:.3e} of its norm)" if wr["norm"] > 0 else ""
+        lines.append(f"{name}: {over} of {rows} rows over their allowance; the worst, row {fmt_index(worst_row)}"
+                     f" ({_row_names(name)}), is off by {wr['error']:.3e}{rel} > allowed {wr['allowed']:.3e} "
+                     f"for that row; ratio {w_ratio:.3g}")
+    fields, text = _worst_elements(a, o, allowed, norm_o, n_fin, mode)
+    entry.update(fields)
+    lines.append(text)
+    if ulps is not None:
+        lines.append(f"  Largest difference in bf16 ulps: {ulps:.3g} (a result within 1 ulp everywhere would pass)")
+    return entry, "\n".join(lines)
 
 
-def rounded_reference(name: str, f32_value):
-    """The bf16-output oracle: float32 math rounded to the result's kernel dtype, as float64 torch."""
-    t = as_f64(f32_value).to(torch.float32)
-    return t.to(getattr(torch, contract.KERNEL_DTYPES[name])).to(torch.float64)
+def _row_names(name: str) -> str:
+    return {"dq": "b, query, head", "out": "b, query, head", "lse": "b, query, head", "dkv": "b, KV row",
+            "d_sink": "head"}.get(name, "row")
 
 
-DELTA_COEF = 2.0 ** -9  # per element of out, bf16 rounding is <= 2^-9 relative (rms ~1.7e-3, as measured)
-
-
-@lru_cache(maxsize=2)  # one case is checked at a time, and its float64 slot tensors can be large
-def _case_terms(case) -> dict:
-    """What the allowances share, computed once per case (float64 torch; read-only by convention).
-
-    x: the case's inputs; f64: the oracle's float64 results; valid [B, S, L]; idx [B, S, L] (0 on invalid
-    slots); K [B, S, L, Dqk] the slots' kv rows (zero on invalid slots, so no row a slot does not name reaches
-    a sum); P [B, S, H, L] from the inputs and the oracle's lse (0 on invalid slots and empty rows); dS
-    [B, S, H, L] = P (dP - Delta), without sm_scale; q, dO.
-    """
-    x = case.inputs()
-    f64 = oracle_results(case)["f64"]
-    valid = torch.from_numpy(contract.valid_mask(x["indices"], case.Skv, x["topk_length"]))
-    idx = torch.where(valid, torch.from_numpy(x["indices"].astype(np.int64)), 0)
-    K = torch.where(valid[..., None], as_f64(x["kv"])[torch.arange(case.B)[:, None, None], idx], 0.0)
-    q = as_f64(x["q"])
-    lse = as_f64(f64["lse"])
-    s = torch.einsum("bshd,bsld->bshl", q, K) * case.scale
-    denom = lse if x["attn_sink"] is None else torch.logaddexp(lse, as_f64(x["attn_sink"]).expand_as(lse))
-    P = torch.where(valid[:, :, None, :] & torch.isfinite(denom)[..., None], torch.exp(s - denom[..., None]), 0.0)
-    dO = as_f64(x["grad_out"])
-    dP = torch.einsum("bshd,bsld->bshl", dO, K[..., : case.Dv])
-    delta = (dO * as_f64(f64["out"])).sum(-1)
-    dS = torch.nan_to_num(P * (dP - delta[..., None]), nan=0.0, posinf=0.0, neginf=0.0)
-    return dict(x=x, f64=f64, valid=valid, idx=idx, K=K, P=P, dS=dS, q=q, dO=dO, lse=lse)
-
-
-def delta_allowance(name: str, case, *, coef: float = DELTA_COEF) -> float:
-    """Absolute L2 error a kernel may add by forming Delta = <dO, out> from the bf16 ``out`` it is given.
-
-    The float64 oracle recomputes out exactly; a kernel reads the rounded one, so Delta is off by up to
-    DELTA_COEF ||dO * out|| per row (e_Delta). That shifts dS_t by P_t dDelta, hence dq by sm_scale dDelta
-    sum_t P_t kv_t, dkv row j by sm_scale dDelta q P summed over the slots naming j (one dDelta for all slots
-    of a (query, head): repeated slots shift their row together, not independently) and d_sink by
-    sum p_sink dDelta (rows of out independent, so their shifts add in L2). Small at production sizes (dq:
-    0.19x the rounding error at the calibration shape; d_sink, a sum of p_sink Delta, is the exception: its
-    float32 rounding is ~1e-7, so this term is its whole bound), it dominates wherever dS cancels (a peaked
-    softmax, one valid slot, every slot on one row), which a purely relative tolerance misreads as a bug:
-    without it the emulation failed dkv on 576/512 cases at up to 3x the bound.
-    """
-    if name not in ("dq", "dkv", "d_sink"):
-        return 0.0
-    t = _case_terms(case)
-    f64, x, lse = t["f64"], t["x"], t["lse"]
-    e_delta = torch.linalg.vector_norm(t["dO"] * as_f64(f64["out"]), dim=-1)  # [B, S, H]
-    if name == "dq":
-        m = case.scale * e_delta[..., None] * as_f64(f64["out_full"]).abs()
-        return coef * float(torch.linalg.vector_norm(m))
-    if name == "dkv":
-        p2 = _grouped_square_sum(t["valid"], t["idx"], t["P"])  # [B, S, H]: sum over KV rows of (sum P)^2
-        q2 = (t["q"] ** 2).sum(-1)
-        return coef * case.scale * float(torch.sqrt((p2 * q2 * e_delta ** 2).sum()))
-    if x["attn_sink"] is None:
-        return 0.0
-    p_sink = contract.sink_probability(lse, as_f64(x["attn_sink"]))
-    return coef * float(torch.linalg.vector_norm(torch.linalg.vector_norm(p_sink * e_delta, dim=(0, 1))))
-
-
-REPEAT_COEF = 2.0 ** -8  # one bf16 rounding, at most 2^-8 relative, counted once per repeated slot
-
-
-def _row_groups(valid, idx):
-    """Group id of each slot, [B * S * L]: the valid slots of one query row naming one KV row share an id;
-    an invalid slot has an id of its own. Also the group sizes."""
-    B, S, L = idx.shape
-    row = torch.arange(B * S).reshape(B, S, 1).expand(B, S, L)
-    span = (int(idx.max()) + 1) if idx.numel() else 1
-    key = torch.where(valid, row * span + idx, -1 - torch.arange(B * S * L).reshape(B, S, L))
-    _, inv, counts = torch.unique(key.reshape(-1), return_inverse=True, return_counts=True)
-    return inv, counts
-
-
-def _repeats(valid, idx):
-    """For each slot, how many valid slots of its query row name the same KV row (0 on invalid slots)."""
-    inv, counts = _row_groups(valid, idx)
-    return torch.where(valid, counts[inv].reshape(idx.shape), 0)
-
-
-def _grouped_square_sum(valid, idx, P):
-    """[B, S, H]: sum over the KV rows a query row names of (sum of P over the slots naming that row)^2;
-    sum_t P_t^2 when no row repeats."""
-    B, S, H, L = P.shape
-    inv, counts = _row_groups(valid, idx)
-    sums = torch.zeros(len(counts), H, dtype=P.dtype).index_add_(0, inv, P.permute(0, 1, 3, 2).reshape(-1, H))
-    owner = torch.zeros(len(counts), dtype=torch.long)  # the query row (b * S + s) of each group
-    owner[inv] = torch.arange(B * S).repeat_interleave(L)
-    return torch.zeros(B * S, H, dtype=P.dtype).index_add_(0, owner, sums ** 2).reshape(B, S, H)
-
-
-def repeat_allowance(name: str, case, *, coef: float = REPEAT_COEF) -> float:
-    """Absolute L2 error a kernel may add by rounding P and dS to bf16 when slots of one row repeat a KV row.
-
-    A tensor-core backward feeds P and dS to its products in bf16. Slots of one (query, head) naming the same
-    KV row have the same score, so the same P and dS and the same rounding error: m such slots put m times one
-    rounding into that row's dkv (P^T dO and dS^T q) and into dq (dS kv), where independent roundings would
-    give sqrt(m) times. k covers the independent part (calibrated on cases without duplicates); this is the
-    excess, coef * sqrt(sum over slots of (m - 1) x^2 |y|^2) for x = P, dS and y = dO, q (dkv) or kv (dq),
-    with coef one rounding's worst case. Zero when no row repeats; Skv = 1 (every slot on one row) and
-    L > Skv are where it matters.
-    """
-    if name not in ("dq", "dkv"):
-        return 0.0
-    t = _case_terms(case)
-    extra = (_repeats(t["valid"], t["idx"]) - 1).clamp_min(0).to(torch.float64)  # [B, S, L]
-    if not bool((extra > 0).any()):
-        return 0.0
-    P, dS, K, do = t["P"], t["dS"], t["K"], t["dO"]
-    w = extra[:, :, None, :]  # [B, S, 1, L]
-    if name == "dkv":
-        p_term = (w * P ** 2).sum(-1) * (do ** 2).sum(-1)
-        s_term = case.scale ** 2 * (w * dS ** 2).sum(-1) * (t["q"] ** 2).sum(-1)
-        return coef * float(torch.sqrt((p_term + s_term).sum()))
-    kv2 = (K ** 2).sum(-1)[:, :, None, :]  # [B, S, 1, L]
-    return coef * case.scale * float(torch.sqrt((w * dS ** 2 * kv2).sum()))
-
-
-def operand_rounding(name: str, case) -> float:
-    """Absolute L2 change of dq or dkv when P and sm_scale dS are rounded to bf16 before their products, as a
-    tensor-core kernel's shared-memory tiles must be.
-
-    While a result's terms add without cancelling, its own output rounding is about as large and k (calibrated
-    on such cases) covers both. Where they cancel (nearly uniform P against gradients of both signs, as at a
-    small Dqk or sm_scale), the operands' rounding is the larger error by far: ``compare_tensor`` applies k
-    to whichever of the two is larger.
-    """
-    if name not in ("dq", "dkv"):
-        return 0.0
-    t = _case_terms(case)
-
-    def rounding(x):
-        return x.to(torch.bfloat16).to(torch.float64) - x
-
-    e_ds = rounding(case.scale * t["dS"])
-    if name == "dq":
-        return float(torch.linalg.vector_norm(torch.einsum("bshl,bsld->bshd", e_ds, t["K"])))
-    contrib = torch.einsum("bshl,bshd->bsld", e_ds, t["q"])
-    contrib[..., : case.Dv] += torch.einsum("bshl,bshd->bsld", rounding(t["P"]), t["dO"])
-    rows = (t["idx"] + case.Skv * torch.arange(case.B)[:, None, None])[t["valid"]]
-    err = torch.zeros(case.B * case.Skv, case.Dqk, dtype=torch.float64).index_add_(0, rows, contrib[t["valid"]])
-    return float(torch.linalg.vector_norm(err))
+def _worst_elements(a, o, allowed, norm_o, n_fin, mode):
+    """The elementwise view of a failure: mismatches against allowed x (|oracle| + rms), the worst element and
+    the greatest absolute difference, as (entry fields, message lines)."""
+    rms = norm_o / math.sqrt(max(n_fin, 1))
+    mism, worst, top = 0, (-1.0, None), (-1.0, None)
+    for sl in _slices(o):
+        oo = o[sl].to(torch.float64)
+        fin = torch.isfinite(oo)
+        zero = torch.zeros((), dtype=torch.float64, device=o.device)
+        d = torch.where(fin, a[sl].to(o.device, torch.float64) - oo, zero).abs()
+        bound = allowed * (torch.where(fin, oo, zero).abs() + rms) if mode == "relative" else \
+            torch.full_like(oo, allowed)
+        excess = d / bound.clamp_min(1e-300)
+        mism += int((d > bound).sum())
+        for best, x, keep in ((worst, excess, "worst"), (top, d, "top")):
+            flat = int(torch.argmax(x.reshape(-1)))
+            v = float(x.reshape(-1)[flat])
+            if v > best[0]:
+                idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(x.shape)))
+                idx = (idx[0] + (sl.start or 0),) + idx[1:] if idx else idx
+                if keep == "worst":
+                    worst = (v, idx)
+                else:
+                    top = (v, idx)
+    idx, amax = worst[1], top[1]
+    pct = 100.0 * mism / max(o.numel(), 1)
+    fields = dict(mismatches=mism, worst_index=idx, worst_kernel=float(a[idx]), worst_oracle=float(o[idx]))
+    return fields, (f"  Mismatched elements: {mism} / {o.numel()} ({pct:.1f}%) [bound per element: allowed x (|oracle| + "
+            f"rms(oracle))]\n"
+            f"  Worst element at index {fmt_index(idx)}: kernel {fmt_value(a[idx])}, oracle {fmt_value(o[idx])} "
+            f"(abs diff {fmt_value(abs(float(a[idx]) - float(o[idx])))}, {fmt_value(worst[0])}x its bound)\n"
+            f"  Greatest absolute difference: {fmt_value(top[0])} at index {fmt_index(amax)}")
 
 
 def compare_outputs(names, results: dict, case, *, k=K_DEFAULT, floor=None, device=None, sink_given=None):
     """Structure + error model for a set of named results. Returns (per_tensor, problems, worst_ratio)."""
     dims = case.dims
-    ores = oracle_results(case)
+    ref = reference(case, truth_device(device, case))
     per_tensor, problems, worst = {}, [], 0.0
     floors = floor if isinstance(floor, dict) else {n: floor for n in names}
     for name in names:
@@ -363,10 +312,8 @@ def compare_outputs(names, results: dict, case, *, k=K_DEFAULT, floor=None, devi
             per_tensor[name] = {"error": math.inf, "allowed": 0.0, "ratio": math.inf, "problem": prob}
             worst = math.inf
             continue
-        extra = {"Delta": delta_allowance(name, case), "repeated rows": repeat_allowance(name, case)}
-        entry, prob = compare_tensor(name, val, ores["f64"][name], rounded_reference(name, ores["f32"][name]),
-                                     k=k, floor=floors.get(name), extra=extra,
-                                     operand=operand_rounding(name, case))
+        entry, prob = compare_tensor(name, val, ref.o64[name], ref.ref[name], k=k, floor=floors.get(name),
+                                     terms=ref.terms.get(name))
         per_tensor[name] = entry
         worst = max(worst, entry["ratio"])
         if prob:

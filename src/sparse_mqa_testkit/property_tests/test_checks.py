@@ -1,7 +1,8 @@
 """Every check of the registry (``sparse_mqa_testkit.checks.CHECKS``): first on explicit cases that visit every
 boundary class the backend's declared domain allows, then on cases Hypothesis draws inside that domain; and
-the checks that judge refusals also on cases outside it. The plugin parametrizes ``smqa_check`` over the
-registry and applies the selected profile's settings."""
+the checks that judge refusals also on cases outside it; with ``--smqa-scale`` (or the scale profile alone) the
+production-shaped tier. The plugin parametrizes ``smqa_check`` over the registry and applies the selected
+profile's settings."""
 
 import pytest
 from hypothesis import example, given  # noqa: F401 (example: for reproducer patches)
@@ -30,3 +31,14 @@ def test_check(smqa_check, case):
 @given(case=backend_cases(outside=True))
 def test_check_outside_domain(smqa_check, case):
     smqa_check(case)
+
+
+@pytest.mark.smqa_scale
+def test_scale(smqa_checks, smqa_scale_case):
+    """A production-shaped case (``sparse_mqa_testkit.scale``): the backward (and forward) against the float64
+    device oracle row by row, then bitwise determinism over two runs."""
+    from sparse_mqa_testkit.scale import DETERMINISM_REPEATS
+
+    smqa_checks.tolerance(smqa_scale_case)
+    smqa_checks.forward_tolerance(smqa_scale_case)
+    smqa_checks.determinism(smqa_scale_case, repeats=DETERMINISM_REPEATS)
