@@ -384,3 +384,17 @@ def test_compare_tensor_shape_mismatch_is_a_problem_not_a_broadcast():
     o = torch.ones(2, 3, dtype=torch.float64)
     entry, prob = compare_tensor("dq", torch.ones(1, 3), o, o)
     assert prob == "dq: shape (1, 3) is not the oracle's (2, 3)" and math.isinf(entry["ratio"])
+
+
+def test_infinite_k_checks_only_the_structure_and_the_nonfinite_positions():
+    # the guards check compares nonfinite positions only (k = inf); an all-zero row must not turn inf x 0 into
+    # NaN and a failure (found on an H200: empty rows of dq)
+    o = torch.zeros(2, 3, dtype=torch.float64)
+    o[0] = 1.0
+    off = o.clone()
+    off[0, 0] = 5.0
+    entry, prob = compare_tensor("dq", off.to(torch.bfloat16), o, o, k=math.inf)
+    assert prob is None and entry["ratio"] == 0.0
+    off[1, 1] = math.nan
+    entry, prob = compare_tensor("dq", off.to(torch.bfloat16), o, o, k=math.inf)
+    assert prob is not None and "NaN positions differ from the oracle at 1 / 6 elements" in prob

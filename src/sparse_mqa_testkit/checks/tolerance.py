@@ -176,6 +176,9 @@ def compare_tensor(name: str, kernel, oracle64, ref64, *, k: float = K_DEFAULT, 
     if bad is not None:
         entry.update(bad[0])
         return entry, bad[1]
+    if math.isinf(k):  # no bound on the values: the structure and the nonfinite positions only
+        entry.update(error=0.0, allowed=math.inf, ratio=0.0, mode="nonfinite only")
+        return entry, None
     sums = _row_sums(name, a, o, r)
     zero = torch.zeros_like(sums["o2"])
     t2 = {t: (terms or {}).get(t, zero).to(zero.device, torch.float64) for t in ALL_TERMS}
@@ -269,7 +272,7 @@ def _worst_elements(a, o, allowed, norm_o, n_fin, mode):
         d = torch.where(fin, a[sl].to(o.device, torch.float64) - oo, zero).abs()
         bound = allowed * (torch.where(fin, oo, zero).abs() + rms) if mode == "relative" else \
             torch.full_like(oo, allowed)
-        excess = d / bound.clamp_min(1e-300)
+        excess = torch.nan_to_num(d / bound.clamp_min(1e-300), nan=math.inf)
         mism += int((d > bound).sum())
         for best, x, keep in ((worst, excess, "worst"), (top, d, "top")):
             flat = int(torch.argmax(x.reshape(-1)))
