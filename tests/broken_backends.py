@@ -23,16 +23,23 @@ LOG2E = contract.LOG2E
 # Source of a downstream module for the tests that run the CLI or the plugin in a subprocess: dq doubled once
 # the cache has 9 rows or more (a second KV tile mishandled), so the simplest case (Skv = 1) and the suite's
 # explicit boundary cases (Skv <= 8) pass, and a failure needs searching (or the example database).
-DQ_DOUBLED_SOURCE = '''
+def _doubled_source(name: str, tensor: str) -> str:
+    """A downstream module whose backend returns ``tensor`` (dq or dkv) doubled once the cache has 9 rows."""
+    ret = {"dq": "(dq * 2 if kv.shape[1] >= 9 else dq), dkv, ds",
+           "dkv": "dq, (dkv * 2 if kv.shape[1] >= 9 else dkv), ds"}
+    return f'''
 from sparse_mqa_testkit.backends.reference import ReferenceBackend
 
 class Broken(ReferenceBackend):
-    name = "broken"
+    name = "{name}"
     def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
         dq, dkv, ds = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
                                        topk_length=topk_length)
-        return (dq * 2 if kv.shape[1] >= 9 else dq), dkv, ds
+        return {ret[tensor]}
 '''
+
+
+DQ_DOUBLED_SOURCE = _doubled_source("broken", "dq")
 
 # Source of a downstream module with a kernel that compiles per shape, as cuDNN's DSA backward does: the reference
 # backend that "compiles" (sleeps) once per (H, L, topk given) and logs every key it is called with to
@@ -318,13 +325,4 @@ BROKEN = {
 
 # A second downstream module broken elsewhere (dkv doubled once the cache has 9 rows or more), for the tests of a
 # database two runners share: each must see the other's failure.
-DKV_DOUBLED_SOURCE = '''
-from sparse_mqa_testkit.backends.reference import ReferenceBackend
-
-class Broken(ReferenceBackend):
-    name = "broken-dkv"
-    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
-        dq, dkv, ds = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
-                                       topk_length=topk_length)
-        return dq, (dkv * 2 if kv.shape[1] >= 9 else dkv), ds
-'''
+DKV_DOUBLED_SOURCE = _doubled_source("broken-dkv", "dkv")

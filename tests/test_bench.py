@@ -161,7 +161,8 @@ def test_index_patterns_are_the_testkits(pattern, tmp_path):
         assert torch.equal(idx[0, :, 0], pos.to(torch.int32)), "each query's window starts at its position"
     assert torch.equal(idx, shapes.make_inputs(shape, "cpu", seed=1, indices=pattern)["indices"])
     path = tmp_path / "r.json"
-    assert bench.main(TINY + ["--backward", "reference", "--forward", "", "--indices", pattern, "--json", str(path)]) == 0
+    args = ["--backward", "reference", "--forward", "", "--indices", pattern, "--json", str(path)]
+    assert bench.main(TINY + args) == 0
     assert json.loads(path.read_text())["settings"]["indices"] == pattern
     with pytest.raises(ValueError, match="indices must be one of random, local, hot, got 'causal'"):
         shapes.make_inputs(shape, "cpu", seed=1, indices="causal")

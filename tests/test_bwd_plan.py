@@ -86,3 +86,24 @@ def test_fixed_point_exponent_edges():
     assert bwd_plan.fixed_point_exponent(math.inf) == 0
     assert bwd_plan.fixed_point_exponent(math.nan) == 0
     assert bwd_plan.fixed_point_exponent(1.0) == bwd_plan.ACC_BITS - bwd_plan.HEADROOM_BITS
+
+
+def test_slot_mass_is_one_minus_the_sinks_without_cancelling():
+    import numpy as np
+    import torch
+
+    from sparse_mqa_testkit import contract
+
+    lse = np.array([[[1.0, np.inf, -np.inf, 3.0, 0.5]]], dtype=np.float32)
+    sink = np.array([40.0, 0.0, np.inf, -np.inf, 0.0], dtype=np.float32)
+    m = bwd_plan.slot_mass(lse, sink)
+    assert m.dtype == np.float32 and m.shape == lse.shape
+    assert 1e-17 < m[0, 0, 0] < 1.2e-17, "e^(1 - 40), where 1 - p_sink would round to 0"
+    assert m[0, 0, 1] == 0 and m[0, 0, 2] == 0, "an empty row holds no mass"
+    assert m[0, 0, 3] == 1, "a -inf sink takes none"
+    p = contract.sink_probability(lse.astype(np.float64), sink.astype(np.float64))[0, 0, 4]
+    assert abs(m[0, 0, 4] - (1 - p)) < 1e-7
+    assert np.array_equal(bwd_plan.slot_mass(lse, None), np.array([[[1, 0, 0, 1, 1]]], dtype=np.float32))
+    t = bwd_plan.slot_mass(torch.from_numpy(lse), torch.from_numpy(sink))
+    assert t.dtype == torch.float32 and np.allclose(t.numpy(), m, rtol=1e-6, atol=0)  # exp: an ulp apart
+    assert bwd_plan.slot_mass(np.array([[[np.nan]]], dtype=np.float32), np.zeros(1, np.float32))[0, 0, 0] == 1

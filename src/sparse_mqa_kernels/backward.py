@@ -36,7 +36,8 @@ How the int64 sums reach memory
 
 Fixed point and precision
     F comes from a cheap bound G on any partial sum of dkv (``backward_model.dkv_bound``: per query and head
-    sum_t P <= 1 and sum_t |dS| <= 2 |dO| Vmax, summed over queries): F = 60 - ceil(log2 G), computed on the
+    sum_t P = m, the mass the sink leaves the slots, and sum_t |dS| <= 2 m |dO| Vmax, summed over queries;
+    without m a sink-dominated call kept no bits of its gradient): F = 60 - ceil(log2 G), computed on the
     device (no host sync) and read by the kernel from a tensor. The resolution 2**-F sits 2**60 below G, so a
     term loses at most 2**-61 G: a row 2**30 below G summing 1024 terms keeps 2**-21 relative accuracy, one
     2**40 below keeps 2**-11, still under its own bf16 output rounding (2**-9). The bound is loose by the ratio
@@ -274,11 +275,12 @@ def precompile() -> list[str]:
     return out
 
 
-def _prep(q, kv, out, grad_out, sm_scale, d_v):
+def _prep(q, kv, out, grad_out, lse, attn_sink, sm_scale, d_v):
     """Delta [B, S, H] and the fixed point (2**F as a float32 tensor, F) on the device, without a host sync.
 
     ``bwd_prep`` computes Delta and each query row's term of ``backward_model.dkv_bound``'s bound in one pass over q,
-    out and dO; Vmax (over the KV rows) and the sum over query rows are torch reductions on fixed shapes.
+    out and dO; Vmax (over the KV rows), each row's slot mass (``backward_model.slot_mass``) and the sum over
+    query rows are torch reductions on fixed shapes.
     """
     B, S, H, Dqk = q.shape
     kvf = kv[..., :d_v].float()
@@ -286,7 +288,8 @@ def _prep(q, kv, out, grad_out, sm_scale, d_v):
     vmax = torch.where(torch.isfinite(vnorm), vnorm, torch.zeros_like(vnorm)).amax().reshape(1)
     delta = torch.empty((B, S, H), dtype=torch.float32, device=q.device)
     rows = torch.empty((B, S), dtype=torch.float32, device=q.device)
-    bwd_prep.compiled(Dqk, d_v)(q, out, grad_out, vmax, delta, rows, abs(sm_scale) * bwd_plan.DS_BOUND_FACTOR)
+    mass = bwd_plan.slot_mass(lse, attn_sink).contiguous()
+    bwd_prep.compiled(Dqk, d_v)(q, out, grad_out, vmax, mass, delta, rows, abs(sm_scale) * bwd_plan.DS_BOUND_FACTOR)
     G = rows.sum()
     e = torch.ceil(torch.log2(G))
     F = (bwd_plan.ACC_BITS - bwd_plan.HEADROOM_BITS) - e
@@ -316,7 +319,7 @@ def sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
             tl = torch.full((dims.B, dims.S), dims.L, dtype=torch.int32, device=dev)
         else:
             tl = topk_length.contiguous()
-        delta, fx, F = _prep(q, kv, out, grad_out, sm_scale, dims.Dv)
+        delta, fx, F = _prep(q, kv, out, grad_out, lse, attn_sink, sm_scale, dims.Dv)
         lse2 = contract.lse_to_base2(lse, attn_sink).contiguous()
         acc = torch.zeros((dims.B, dims.Skv, dims.Dqk), dtype=torch.int64, device=dev)
         dq = torch.empty((dims.B, dims.S, dims.H, dims.Dqk), dtype=torch.bfloat16, device=dev)

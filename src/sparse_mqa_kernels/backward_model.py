@@ -27,11 +27,12 @@ def _f32(x):
     return np.asarray(x, dtype=np.float32)
 
 
-def dkv_bound(q, kv, grad_out, sm_scale, d_v) -> float:
+def dkv_bound(q, kv, grad_out, sm_scale, d_v, mass=None) -> float:
     """G: a bound on |any partial sum of dkv| from cheap maxima (fp32, as the kernel's host code computes it).
 
-    Per (query, head): sum_t P_t <= 1 and sum_t |dS_t| <= 2 |dO| Vmax, so a query adds at most
-    sm_scale * DS_BOUND_FACTOR * |dO|_2 * Vmax * max|q| + max|dO| to any element of any row. Vmax is the largest
+    Per (query, head): sum_t P_t = m (``bwd_plan.slot_mass``, 1 without a sink) and sum_t |dS_t| <= 2 m |dO| Vmax,
+    so a query adds at most m (sm_scale * DS_BOUND_FACTOR * |dO|_2 * Vmax * max|q| + max|dO|) to any element of
+    any row. Vmax is the largest
     finite ||kv[:Dv]|| (non-finite rows are never used by a correct call or make the result garbage anyway).
     """
     q, kv, go = _f32(q), _f32(kv), _f32(grad_out)
@@ -45,6 +46,8 @@ def dkv_bound(q, kv, grad_out, sm_scale, d_v) -> float:
     c = np.float32(abs(sm_scale) * bwd_plan.DS_BOUND_FACTOR) * vmax
     with np.errstate(over="ignore", invalid="ignore"):
         per = c * qmax * gnorm + gmax
+        if mass is not None:
+            per = _f32(mass) * per
         return float(per.sum(dtype=np.float32))
 
 
@@ -73,7 +76,8 @@ def model_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, t
     # preprocessing (the kernel: ``bwd_prep`` and torch, float32 too): Delta, kernel LSE, fixed-point exponent
     delta = (_f32(out) * gof).sum(-1, dtype=np.float32)  # [B, S, H]
     lse2 = contract.lse_to_base2(_f32(lse), None if sink is None else _f32(sink))
-    F = bwd_plan.fixed_point_exponent(dkv_bound(qf, kvf, gof, sm_scale, Dv))
+    mass = bwd_plan.slot_mass(_f32(lse), None if sink is None else _f32(sink))
+    F = bwd_plan.fixed_point_exponent(dkv_bound(qf, kvf, gof, sm_scale, Dv, mass))
     to_fixed = np.float32(2.0**F)
     c_log2 = np.float32(sm_scale * contract.LOG2E)
     scale = np.float32(sm_scale)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from sparse_mqa_testkit import contract
 
 HEAD_GROUPS = (16, 32, 64)
@@ -184,6 +186,23 @@ def make_plan(B: int, S: int, Skv: int, H: int, L: int, Dqk: int, Dv: int, *,
 def all_variants(dims=contract.PRODUCTION_DIMS) -> list[VariantKey]:
     """Every kernel variant a plan can ask for (H and L are runtime sizes, so these cover every H and L)."""
     return [VariantKey(dqk, dv, hg, TOPK_BLOCKS[hg]) for dqk, dv in dims for hg in HEAD_GROUPS]
+
+
+def slot_mass(lse, attn_sink):
+    """Per [B, S, H]: the probability a query row's slots hold, 1 / (1 + e^(sink - lse)) = 1 - p_sink, formed
+    without the cancellation of 1 - p_sink (a sink that takes all but 1e-14 leaves 1e-14, not 0); 1 without a
+    sink, 0 for an empty row (lse +-inf), 1 where it is NaN (so a bound built on it stays a bound). float32,
+    a NumPy array or a torch tensor like ``lse``."""
+    xp = contract._namespace(lse)
+    if xp is np:
+        lse = np.asarray(lse, dtype=np.float32)
+        sink = None if attn_sink is None else np.asarray(attn_sink, dtype=np.float32)
+    else:
+        lse, sink = lse.float(), None if attn_sink is None else attn_sink.float()
+    with np.errstate(over="ignore", invalid="ignore"):
+        m = xp.ones_like(lse) if sink is None else 1.0 / (1.0 + xp.exp(sink - lse))
+    m = xp.where(xp.isinf(lse), xp.zeros_like(m), m)
+    return xp.where(xp.isnan(m), xp.ones_like(m), m)
 
 
 def fixed_point_exponent(bound: float) -> int:

@@ -1,8 +1,8 @@
 """What the deterministic backward needs before its main kernel, in one pass over q, out and dO (TileLang).
 
 Per query row and head: Delta = <out, dO> (float32 sums), and the row's term of the fixed-point bound
-``c Vmax max|q| |dO| + max|dO|`` (``bwd_plan.DS_BOUND_FACTOR``, ``backward_model.dkv_bound``), summed over the row's
-heads. One thread block per query row reads its rows once; the sums run in a fixed order (tree reductions,
+``mass (c Vmax max|q| |dO| + max|dO|)`` (``bwd_plan.DS_BOUND_FACTOR``, ``backward_model.dkv_bound``; mass: the
+probability the row's slots hold, the rest is the sink's), summed over the row's heads. One thread block per query row reads its rows once; the sums run in a fixed order (tree reductions,
 no atomics), so Delta and the bound are bitwise the same on every run. The host adds the per-row partial
 bounds with a torch sum on a fixed shape.
 
@@ -36,6 +36,7 @@ def build_program(dqk: int, dv: int):
         O: T.Tensor([batch, seq_len, heads, dv], bf16),
         dO: T.Tensor([batch, seq_len, heads, dv], bf16),
         Vmax: T.Tensor([1], f32),
+        Mass: T.Tensor([batch, seq_len, heads], f32),
         Delta: T.Tensor([batch, seq_len, heads], f32),
         Bound: T.Tensor([batch, seq_len], f32),
         c: f32,
@@ -48,6 +49,7 @@ def build_program(dqk: int, dv: int):
             delta = T.alloc_fragment([HB], f32)
             gn2 = T.alloc_fragment([HB], f32)
             gmax = T.alloc_fragment([HB], f32)
+            mass = T.alloc_fragment([HB], f32)
             qmax = T.alloc_fragment([HB], f32)
             terms = T.alloc_shared([HB], f32)  # per position in a step, summed over the steps in order
             tx = T.get_thread_binding()
@@ -76,9 +78,11 @@ def build_program(dqk: int, dv: int):
                 T.reduce_max(g, gmax, dim=1)
                 T.reduce_max(q, qmax, dim=1)
                 for i in T.Parallel(HB):
+                    mass[i] = T.if_then_else(h0 + i < heads, Mass[by, bx, T.min(h0 + i, heads - 1)], 0.0)
+                for i in T.Parallel(HB):
                     if h0 + i < heads:
                         Delta[by, bx, h0 + i] = delta[i]
-                    terms[i] += c * vmax * qmax[i] * T.sqrt(gn2[i]) + gmax[i]
+                    terms[i] += mass[i] * (c * vmax * qmax[i] * T.sqrt(gn2[i]) + gmax[i])
             T.sync_threads()
             if tx == 0:
                 total = T.alloc_var(f32)

@@ -177,11 +177,12 @@ def test_both_kernel_bodies_give_the_same_bits(case):
             assert same, f"{name} differs from the single-role body with {config}"
 
 
-@pytest.mark.parametrize("H, dims", [(1, (576, 512)), (17, (576, 512)), (64, (512, 512))])
-def test_prep_pass_matches_its_formulas(H, dims):
+@pytest.mark.parametrize("H, dims, sink", [(1, (576, 512), False), (17, (576, 512), True), (64, (512, 512), True)])
+def test_prep_pass_matches_its_formulas(H, dims, sink):
     """``bwd_prep``: Delta = <out, dO> to float32 summation error, the fixed-point exponent F the largest with
-    G 2**F <= 2**(ACC_BITS - HEADROOM_BITS) for G = sum over rows of c Vmax max|q| |dO| + max|dO| (computed
-    here in float64), heads past H (a step of 4 heads is padded at H = 1, 17) adding nothing; bitwise repeats."""
+    G 2**F <= 2**(ACC_BITS - HEADROOM_BITS) for G = sum over rows of m (c Vmax max|q| |dO| + max|dO|), m the
+    slot mass 1 / (1 + e^(sink - lse)) (computed here in float64; one head's sink takes all but ~e^-30),
+    heads past H (a step of 4 heads is padded at H = 1, 17) adding nothing; bitwise repeats."""
     from sparse_mqa_kernels import backward, bwd_plan
 
     Dqk, Dv = dims
@@ -192,15 +193,21 @@ def test_prep_pass_matches_its_formulas(H, dims):
 
     B, S, sm_scale = 2, 37, 0.07
     q, out, go, kv = rnd(B, S, H, Dqk, scale=3.0), rnd(B, S, H, Dv), rnd(B, S, H, Dv, scale=1e-3), rnd(B, 50, Dqk)
-    delta, fx, F = backward._prep(q, kv, out, go, sm_scale, Dv)
-    again = backward._prep(q, kv, out, go, sm_scale, Dv)
+    lse = torch.randn(B, S, H, device="cuda", generator=g) * 2
+    attn_sink = None
+    if sink:
+        attn_sink = torch.randn(H, device="cuda", generator=g)
+        attn_sink[0] = 30.0
+    delta, fx, F = backward._prep(q, kv, out, go, lse, attn_sink, sm_scale, Dv)
+    again = backward._prep(q, kv, out, go, lse, attn_sink, sm_scale, Dv)
     assert all(torch.equal(a, b) for a, b in zip((delta, fx, F), again))
     ref = (out.double() * go.double()).sum(-1)
     bound = (out.double().abs() * go.double().abs()).sum(-1)
     assert ((delta.double() - ref).abs() <= 1e-6 * bound + 1e-30).all()
     vmax = kv[..., :Dv].double().norm(dim=-1).max()
-    G = (abs(sm_scale) * bwd_plan.DS_BOUND_FACTOR * vmax * q.double().abs().amax(-1) * go.double().norm(dim=-1)
-         + go.double().abs().amax(-1)).sum().item()
+    mass = 1.0 if attn_sink is None else torch.sigmoid(lse.double() - attn_sink.double())
+    G = (mass * (abs(sm_scale) * bwd_plan.DS_BOUND_FACTOR * vmax * q.double().abs().amax(-1) * go.double().norm(dim=-1)
+                 + go.double().abs().amax(-1))).sum().item()
     top = 2.0 ** (bwd_plan.ACC_BITS - bwd_plan.HEADROOM_BITS)
     f = int(F.item())
     assert fx.item() == 2.0 ** f

@@ -287,8 +287,8 @@ def _worst_elements(a, o, allowed, norm_o, n_fin, mode):
     idx, amax = worst[1], top[1]
     pct = 100.0 * mism / max(o.numel(), 1)
     fields = dict(mismatches=mism, worst_index=idx, worst_kernel=float(a[idx]), worst_oracle=float(o[idx]))
-    return fields, (f"  Mismatched elements: {mism} / {o.numel()} ({pct:.1f}%) [bound per element: allowed x (|oracle| + "
-            f"rms(oracle))]\n"
+    return fields, (f"  Mismatched elements: {mism} / {o.numel()} ({pct:.1f}%) [bound per element: allowed x "
+            f"(|oracle| + rms(oracle))]\n"
             f"  Worst element at index {fmt_index(idx)}: kernel {fmt_value(a[idx])}, oracle {fmt_value(o[idx])} "
             f"(abs diff {fmt_value(abs(float(a[idx]) - float(o[idx])))}, {fmt_value(worst[0])}x its bound)\n"
             f"  Greatest absolute difference: {fmt_value(top[0])} at index {fmt_index(amax)}")
