@@ -34,7 +34,9 @@ def _both(case, chunk_bytes=device_oracle.CHUNK_BYTES, kv=None):
     return dev, ref
 
 
-def _agree(dev, ref):
+def _agree(dev, ref, grad_scale=1.0):
+    """grad_scale: the largest |grad_out|; the gradients' absolute floor scales with it (they are linear in it,
+    and where they cancel to ~0 what is left is rounding of terms that size)."""
     for name, d, r in zip(("out", "lse", "dq", "dkv", "d_sink"), dev, ref):
         if r is None:
             assert d is None, name
@@ -44,6 +46,8 @@ def _agree(dev, ref):
         np.testing.assert_array_equal(np.isnan(d.numpy()), np.isnan(r), err_msg=name)
         fin = np.isfinite(r)
         scale = max(1.0, float(np.abs(r[fin]).max(initial=0.0)))
+        if name in ("dq", "dkv", "d_sink"):
+            scale = max(scale, grad_scale)
         np.testing.assert_allclose(d.numpy()[fin], r[fin], rtol=TOL["rtol"], atol=TOL["atol"] * scale,
                                    err_msg=name)
 
@@ -51,7 +55,7 @@ def _agree(dev, ref):
 @settings(max_examples=60, deadline=None)
 @given(case=cases(max_s=6, max_skv=12, max_h=5, max_l=10))
 def test_agrees_with_the_numpy_oracle(case):
-    _agree(*_both(case))
+    _agree(*_both(case), grad_scale=float(np.abs(case.inputs()["grad_out"].astype(np.float64)).max()))
 
 
 @pytest.mark.parametrize("case", [

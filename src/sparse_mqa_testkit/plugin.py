@@ -549,12 +549,12 @@ def pytest_runtest_call(item):
         yield
         return
     from .recording import PROPERTY
-    from .strategies import PLAN
+    from .strategies import PLAN_ATTRIBUTE
 
     rec = _recorder(item)
     rec.tiles = dict(getattr(backend, "tiles", None) or {})
     plan = next(p for p in item.config.stash[_STATE]["plans"].values() if p.draw.backend is backend)
-    item.stash[PLAN] = plan.draw
+    setattr(item, PLAN_ATTRIBUTE, plan.draw)
     _hypothesis_settings(item)
     try:
         yield

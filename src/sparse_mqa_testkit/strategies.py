@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
@@ -225,17 +224,19 @@ class DrawPlan:
     limits: dict = field(default_factory=dict)
 
 
-# The plugin puts the running test's DrawPlan here (in the pytest item's stash) before the test is called.
-PLAN = pytest.StashKey[DrawPlan]()
+# The plugin puts the running test's DrawPlan on the pytest item under this attribute before the test is called
+# (an attribute name, not a StashKey: a key is an object of one import of this module, and pytester's in-process
+# runs can leave a test module bound to an earlier import than the plugin's).
+PLAN_ATTRIBUTE = "smqa_draw_plan"
 
 
 def _running_plan() -> DrawPlan | None:
     """The plan of the pytest test whose Hypothesis test is drawing now, or None."""
-    # Hypothesis's pytest plugin records the item it is running; the plan is in that item's own stash
+    # Hypothesis's pytest plugin records the item it is running; the plugin put the plan on that item
     from hypothesis.internal.escalation import current_pytest_item
 
     item = current_pytest_item.value
-    return None if item is None else item.stash.get(PLAN, None)
+    return None if item is None else getattr(item, PLAN_ATTRIBUTE, None)
 
 
 @st.composite
