@@ -11,7 +11,7 @@ import json
 import pytest
 from broken_backends import COMPILING_SOURCE
 
-from sparse_mqa_testkit import BackendBase, Case, cli, planning
+from sparse_mqa_testkit import BackendBase, cli, planning
 from sparse_mqa_testkit.boundaries import explicit_examples
 from sparse_mqa_testkit.compile_keys import DEFAULT_BUDGET, CompileKey, key_of, resolve
 from sparse_mqa_testkit.strategies import cases_for, draw_examples

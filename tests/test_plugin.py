@@ -393,3 +393,11 @@ def test_the_scale_tier_runs_only_when_asked(downstream, monkeypatch):
                                        "-rs", "--smqa-backend", "reference", "--smqa-profile", "scale")
     r.assert_outcomes(skipped=len(lines))
     r.stdout.fnmatch_lines(["*the scale tier runs production sizes on a CUDA backend; 'reference' runs on cpu*"])
+    # the compile pool is for drawn cases: a run of the tier alone never warms it up, a run with other tests does
+    assert "[smqa] warm-up" not in r.stdout.str() + r.stderr.str()
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--pyargs", "sparse_mqa_testkit.property_tests",
+                                       "--smqa-backend", "reference", "--smqa-scale", "-k", "test_scale")
+    assert "[smqa] warm-up" not in r.stdout.str() + r.stderr.str()
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--pyargs", "sparse_mqa_testkit.property_tests",
+                                       "--smqa-backend", "reference", "--smqa-scale", "-k", "test_scale or rejection")
+    assert "[smqa] warm-up reference" in r.stdout.str() + r.stderr.str()

@@ -27,13 +27,13 @@ def _f32(x):
     return np.asarray(x, dtype=np.float32)
 
 
-def dkv_bound(q, kv, grad_out, sm_scale, d_v, mass=None) -> float:
+def dkv_bound(q, kv, grad_out, sm_scale, d_v, mass) -> float:
     """G: a bound on |any partial sum of dkv| from cheap maxima (fp32, as the kernel's host code computes it).
 
     Per (query, head): sum_t P_t = m (``bwd_plan.slot_mass``, 1 without a sink) and sum_t |dS_t| <= 2 m |dO| Vmax,
     so a query adds at most m (sm_scale * DS_BOUND_FACTOR * |dO|_2 * Vmax * max|q| + max|dO|) to any element of
-    any row. Vmax is the largest
-    finite ||kv[:Dv]|| (non-finite rows are never used by a correct call or make the result garbage anyway).
+    any row. Vmax is the largest finite ||kv[:Dv]|| (non-finite rows are never used by a correct call or make the
+    result garbage anyway).
     """
     q, kv, go = _f32(q), _f32(kv), _f32(grad_out)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -45,9 +45,7 @@ def dkv_bound(q, kv, grad_out, sm_scale, d_v, mass=None) -> float:
     gmax = np.abs(go).max(-1)
     c = np.float32(abs(sm_scale) * bwd_plan.DS_BOUND_FACTOR) * vmax
     with np.errstate(over="ignore", invalid="ignore"):
-        per = c * qmax * gnorm + gmax
-        if mass is not None:
-            per = _f32(mass) * per
+        per = _f32(mass) * (c * qmax * gnorm + gmax)
         return float(per.sum(dtype=np.float32))
 
 

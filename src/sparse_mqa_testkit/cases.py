@@ -176,6 +176,9 @@ class NumpyDraws:
     def int32(self, x):
         return x.astype(np.int32)
 
+    def int64(self, x):
+        return x.astype(np.int64)
+
 
 def draw_indices(case: Case, draws):
     """The case's [B, S, L] indices: random (or a pattern's) slots, duplicates, order, then the invalid mode."""
@@ -186,7 +189,7 @@ def draw_indices(case: Case, draws):
     else:  # distinct per row
         idx = draws.distinct((B, S, L), Skv)
     if case.pattern != "random":
-        idx = pattern_indices(case, idx, draws.random((B, S, L)), draws.integers(0, Skv, (B, HOT_ROWS)))
+        idx = pattern_indices(case, idx, draws)
     if case.duplicates and L > 1:  # make duplicates certain, not merely likely
         idx[..., -1] = idx[..., 0]
     if case.order == "sorted":
@@ -214,9 +217,9 @@ def draw_indices(case: Case, draws):
     return draws.int32(idx)
 
 
-def pattern_indices(case: Case, idx, u, hot):
-    """The ``local`` or ``hot`` pattern from a random draw ``idx`` [B, S, L], uniforms ``u`` [B, S, L] and hot
-    rows ``hot`` [B, HOT_ROWS] (NumPy arrays or torch tensors alike).
+def pattern_indices(case: Case, idx, draws):
+    """The ``local`` or ``hot`` pattern from a random draw ``idx`` [B, S, L] and ``draws`` (``NumpyDraws`` or
+    ``torch_io.TorchDraws``): uniforms [B, S, L] for the far picks, then the hot rows [B, HOT_ROWS].
 
     local: query i sits at cache position p = (i + 1) Skv / S - 1 (causal); its first 3/4 of the slots are the
     window p, p - 1, ... and the rest far picks uniform in [0, p - window], before the window; a row that sees
@@ -224,21 +227,20 @@ def pattern_indices(case: Case, idx, u, hot):
     slots of every row name the same hot rows. Without ``duplicates`` a slot repeating an earlier one of its
     row becomes -1 (an indexer never names a row twice).
     """
-    xp = contract._namespace(idx)
+    xp = draws.xp
     B, S, L, Skv = case.B, case.S, case.L, case.Skv
+    u, hot = draws.random((B, S, L)), draws.integers(0, Skv, (B, HOT_ROWS))
     if case.pattern == "hot":
         n = min(HOT_ROWS, max(1, L // 2))
         head = hot[:, None, :n] + xp.zeros_like(idx[..., :n])
         out = xp.concatenate([head, idx[..., n:]], -1) if n < L else head
     else:
-        arange = (lambda n: xp.arange(n)) if xp is np else (lambda n: xp.arange(n, device=idx.device))
-        pos = ((arange(S) + 1) * Skv) // S - 1  # [S]
+        pos = ((draws.arange(S) + 1) * Skv) // S - 1  # [S]
         window = L - L // 4
-        t = arange(L)
+        t = draws.arange(L)
         near = pos[:, None] - t[None, :]  # [S, L]: p, p - 1, ...
         room = pos[None, :, None] - window + 1  # [1, S, 1]: positions before the window
-        far = u * xp.where(room > 0, room, 0)
-        far = far.astype(np.int64) if xp is np else far.long()
+        far = draws.int64(u * xp.where(room > 0, room, 0))
         far = xp.where(room > 0, far, -1)
         out = xp.where(t[None, None, :] < window, near[None], far)
         out = xp.where(out < 0, -1, out)

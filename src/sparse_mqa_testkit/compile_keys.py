@@ -16,7 +16,7 @@ from typing import Callable
 
 from hypothesis import strategies as st
 
-from .boundaries import Boundaries, explicit_examples
+from .boundaries import Boundaries
 from .cases import SINK_MODES, TOPK_MODES, Case
 
 SIZE_FIELDS = ("B", "S", "Skv", "H", "L", "Dqk", "Dv")

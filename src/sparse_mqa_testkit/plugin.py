@@ -350,6 +350,13 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
+def pytest_collection_finish(session):
+    # the compile pool is warmed up only for a run with tests that draw from it (not the scale tier alone);
+    # here, after every plugin's deselection (-k included)
+    session.config.stash[_STATE]["pool_used"] = any(
+        _uses_suite(i) and i.get_closest_marker("smqa_scale") is None for i in session.items)
+
+
 def _argnames(marker) -> list[str]:
     names = marker.args[0] if marker.args else marker.kwargs.get("argnames", ())
     return [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
@@ -384,7 +391,7 @@ def smqa_backend(request):
     backend = state["backends"][name]
     if getattr(backend, "device", "cpu") != "cpu" and not _cuda_available():
         _no_gpu(request.config, f"backend {name!r} (device {backend.device})")
-    if not state["plans"][name].compile and state["profile"] != "scale":  # the tier compiles its own shapes
+    if not state["plans"][name].compile and state.get("pool_used", True):
         _warm_up(request.config, name, state["plans"][name])
     return backend
 

@@ -75,6 +75,9 @@ class TorchDraws:
     def int32(self, x):
         return x.to(torch.int32)
 
+    def int64(self, x):
+        return x.to(torch.int64)
+
     def normal_bf16(self, shape, scale=None):
         """N(0, 1) in bf16, one leading index at a time; ``scale`` [shape[1]] multiplies along dim 1."""
         out = torch.empty(shape, dtype=torch.bfloat16, device=self.device)

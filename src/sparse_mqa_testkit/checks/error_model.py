@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .. import contract
-from ..device_oracle import CHUNK_BYTES, _chunks
+from ..device_oracle import CHUNK_BYTES, _chunks, _slots, _softmax
 
 REPEAT_COEF = 2.0 ** -8  # one bf16 rounding, at most 2^-8 relative, counted once per repeated slot
 SIGMA = 2.0 ** -8 / 3 ** 0.5  # a bf16 rounding's standard deviation, relative: uniform within +-2^-8
@@ -49,12 +49,12 @@ def _bf16_error(x):
     return x.to(torch.bfloat16).to(torch.float64) - x
 
 
-def row_terms(inputs: dict, out64, lse64, *, chunk_bytes: int = CHUNK_BYTES) -> dict:
+def row_terms(inputs: dict, out64, *, chunk_bytes: int = CHUNK_BYTES) -> dict:
     """{result: {term: squared absolute error per row}} (float64 on the inputs' device) for dq, dkv, d_sink
     and out (whose only term is the operands': P rounded before P V).
 
-    inputs: the case's tensors (q, kv, indices, topk_length, attn_sink, grad_out, sm_scale, d_v); out64, lse64:
-    the float64 oracle's forward on them.
+    inputs: the case's tensors (q, kv, indices, topk_length, attn_sink, grad_out, sm_scale, d_v); out64: the
+    float64 oracle's out on them.
     """
     q, kv, idx_all, go = inputs["q"], inputs["kv"], inputs["indices"], inputs["grad_out"]
     tl_all, sink, scale, dv = inputs["topk_length"], inputs["attn_sink"], float(inputs["sm_scale"]), inputs["d_v"]
@@ -74,18 +74,20 @@ def row_terms(inputs: dict, out64, lse64, *, chunk_bytes: int = CHUNK_BYTES) -> 
     dims = contract.Dims(B=B, S=S, H=H, Dqk=Dqk, Dv=dv, Skv=Skv, L=L)
     for b, i, j in _chunks(dims, f64, chunk_bytes):
         tl = None if tl_all is None else tl_all[b, i:j]
-        valid = contract.valid_mask(idx_all[b, i:j], Skv, tl)  # [n, L]
-        rows = torch.where(valid, idx_all[b, i:j].long(), 0)
-        K = torch.where(valid[..., None], kv[b][rows].to(f64), torch.zeros((), dtype=f64, device=dev))
-        qc, dO, out, lse = q[b, i:j].to(f64), go[b, i:j].to(f64), out64[b, i:j], lse64[b, i:j]
-        denom = lse if sink64 is None else torch.logaddexp(lse, sink64)
-        s = torch.einsum("nhd,nld->nhl", qc, K) * scale
-        P = torch.where(valid[:, None, :] & torch.isfinite(denom)[..., None], torch.exp(s - denom[..., None]), 0.0)
+        valid, rows, K = _slots(kv[b], idx_all[b, i:j], tl, f64)  # [n, L], [n, L], [n, L, Dqk]
+        qc, dO, out = q[b, i:j].to(f64), go[b, i:j].to(f64), out64[b, i:j]
+        P, lse = _softmax(qc, K, valid, scale, sink64)
         dP = torch.einsum("nhd,nld->nhl", dO, K[..., :dv])
         delta = (dO * out).sum(-1)
         dS = torch.nan_to_num(P * (dP - delta[..., None]), nan=0.0, posinf=0.0, neginf=0.0)
         e_delta = (dO * (out.to(torch.bfloat16).to(f64) - out)).sum(-1)  # [n, H]: what the bf16 out moves Delta by
-        q2, dO2 = (qc ** 2).sum(-1), (dO ** 2).sum(-1)  # [n, H]
+        p_sink = None if sink64 is None else contract.sink_probability(lse, sink64)
+        q2, dO2, k2 = (qc ** 2).sum(-1), (dO ** 2).sum(-1), (K ** 2).sum(-1)[:, None, :]  # [n, H], [n, H], [n, 1, L]
+
+        def slot_squares(ds):
+            """Per slot, the squared size of its term in dq and in dkv [n, H, L] for a dS of ``ds``."""
+            return scale ** 2 * ds ** 2 * k2, P ** 2 * dO2[..., None] + scale ** 2 * ds ** 2 * q2[..., None]
+
         inv, counts = group_slots(valid, rows)
         repeats = torch.where(valid, (counts[inv] - 1).reshape(valid.shape), 0).to(f64)  # [n, L]
         kv_row = b * Skv + rows  # [n, L]
@@ -94,24 +96,22 @@ def row_terms(inputs: dict, out64, lse64, *, chunk_bytes: int = CHUNK_BYTES) -> 
         terms["dq"]["delta"][b, i:j] = scale ** 2 * e_delta ** 2 * (out_full ** 2).sum(-1)
         shift = scale * torch.einsum("nhl,nhd->nld", P * e_delta[..., None], qc)
         delta_dkv.index_add_(0, kv_row[valid], shift[valid])
-        if sink64 is not None:
-            delta_sink += (contract.sink_probability(lse, sink64) * e_delta).sum(0)
+        if p_sink is not None:
+            delta_sink += (p_sink * e_delta).sum(0)
         # unsummed: dS_t's parts with every product in absolute value (float32 dot products are accurate
         # relative to sum |dO_d v_d|, not to their sum)
         dP_abs = torch.einsum("nhd,nld->nhl", dO.abs(), K[..., :dv].abs())
         delta_abs = (dO.abs() * out.abs()).sum(-1)
-        dS_abs = P * (dP_abs + delta_abs[..., None])
-        k2 = (K ** 2).sum(-1)[:, None, :]  # [n, 1, L]
-        terms["dq"]["unsummed"][b, i:j] = scale ** 2 * (dS_abs ** 2 * k2).sum(-1)
-        per_slot = (scale ** 2 * dS_abs ** 2 * q2[..., None] + P ** 2 * dO2[..., None]).sum(1)
-        unsummed_dkv.index_add_(0, kv_row[valid], per_slot[valid])
-        if sink64 is not None:
-            terms["d_sink"]["unsummed"] += ((contract.sink_probability(lse, sink64) * delta_abs) ** 2).sum(0)
+        dq_slot, dkv_slot = slot_squares(P * (dP_abs + delta_abs[..., None]))
+        terms["dq"]["unsummed"][b, i:j] = dq_slot.sum(-1)
+        unsummed_dkv.index_add_(0, kv_row[valid], dkv_slot.sum(1)[valid])
+        if p_sink is not None:
+            terms["d_sink"]["unsummed"] += ((p_sink * delta_abs) ** 2).sum(0)
         # repeat
+        dq_slot, dkv_slot = slot_squares(dS)
         w = repeats[:, None, :]
-        terms["dq"]["repeat"][b, i:j] = (REPEAT_COEF * scale) ** 2 * (w * dS ** 2 * k2).sum(-1)
-        per_slot = REPEAT_COEF ** 2 * (w * (P ** 2 * dO2[..., None] + scale ** 2 * dS ** 2 * q2[..., None])).sum(1)
-        terms["dkv"]["repeat"].index_add_(0, kv_row[valid], per_slot[valid])
+        terms["dq"]["repeat"][b, i:j] = REPEAT_COEF ** 2 * (w * dq_slot).sum(-1)
+        terms["dkv"]["repeat"].index_add_(0, kv_row[valid], REPEAT_COEF ** 2 * (w * dkv_slot).sum(1)[valid])
         # operand
         e_ds, e_p = _bf16_error(scale * dS), _bf16_error(P)
         terms["dq"]["operand"][b, i:j] = (torch.einsum("nhl,nld->nhd", e_ds, K) ** 2).sum(-1)
@@ -121,12 +121,10 @@ def row_terms(inputs: dict, out64, lse64, *, chunk_bytes: int = CHUNK_BYTES) -> 
         operand_dkv.index_add_(0, kv_row[valid], contrib[valid])
         # the same roundings' expected size, slots independent: a row of a few elements can see far less
         # rounding on the oracle's own values than a kernel's slightly different ones get
-        expected = SIGMA ** 2 * scale ** 2 * (dS ** 2 * k2).sum(-1)
-        terms["dq"]["operand"][b, i:j] = torch.maximum(terms["dq"]["operand"][b, i:j], expected)
+        terms["dq"]["operand"][b, i:j] = torch.maximum(terms["dq"]["operand"][b, i:j], SIGMA ** 2 * dq_slot.sum(-1))
         expected = SIGMA ** 2 * (P ** 2 * (K[..., :dv] ** 2).sum(-1)[:, None, :]).sum(-1)
         terms["out"]["operand"][b, i:j] = torch.maximum(terms["out"]["operand"][b, i:j], expected)
-        per_slot = SIGMA ** 2 * (P ** 2 * dO2[..., None] + scale ** 2 * dS ** 2 * q2[..., None]).sum(1)
-        expected_dkv.index_add_(0, kv_row[valid], per_slot[valid])
+        expected_dkv.index_add_(0, kv_row[valid], SIGMA ** 2 * dkv_slot.sum(1)[valid])
     terms["dkv"]["operand"] = torch.maximum((operand_dkv ** 2).sum(-1), expected_dkv)
     terms["dkv"]["delta"] = (delta_dkv ** 2).sum(-1)
     terms["d_sink"]["delta"] = delta_sink ** 2

@@ -100,6 +100,22 @@ def _slices(t):
     return [slice(i, i + step) for i in range(0, t.shape[0], step)] if t.dim() else [slice(None)]
 
 
+def _whole_index(sl, idx) -> tuple:
+    """An index into ``o[sl]`` as an index into ``o``."""
+    idx = tuple(int(i) for i in idx)
+    return (idx[0] + (sl.start or 0),) + idx[1:] if idx else idx
+
+
+def _finite_slices(a, o):
+    """Per slice of the leading dimension (``_slices``): (slice, the oracle in float64, where it is finite,
+    kernel - oracle with 0 where it is not), on the oracle's device."""
+    zero = torch.zeros((), dtype=torch.float64, device=o.device)
+    for sl in _slices(o):
+        oo = o[sl].to(torch.float64)
+        fin = torch.isfinite(oo)
+        yield sl, oo, fin, torch.where(fin, a[sl].to(o.device, torch.float64) - oo, zero)
+
+
 def _nonfinite_mismatch(name, a, o):
     """The first class of NaN / +inf / -inf whose positions differ, as (entry fields, message), else None."""
     for label, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
@@ -108,8 +124,7 @@ def _nonfinite_mismatch(name, a, o):
             bad = fn(a[sl]) != fn(o[sl])
             n = int(bad.sum())
             if n and first is None:
-                first = tuple(int(i) for i in torch.nonzero(bad)[0])
-                first = (first[0] + (sl.start or 0),) + first[1:] if first else first
+                first = _whole_index(sl, torch.nonzero(bad)[0])
             count += n
         if count:
             idx = first
@@ -127,19 +142,14 @@ def _row_sums(name, a, o, r):
     lead = ROW_DIMS.get(name, o.dim())
     out = {k: torch.zeros(o.shape[:lead], dtype=torch.float64, device=o.device) for k in ("err2", "ref2", "o2", "ulps")}
     out["n"] = torch.zeros(o.shape[:lead], dtype=torch.int64, device=o.device)
-    dims = tuple(range(lead - 1, o.dim() - 1)) if o.dim() > lead - 1 else ()
-    for sl in _slices(o):
-        oo = o[sl].to(torch.float64)
-        fin = torch.isfinite(oo)
-        zero = torch.zeros((), dtype=torch.float64, device=o.device)
-        d = torch.where(fin, a[sl].to(o.device, torch.float64) - oo, zero)
-        rz = torch.where(fin, r[sl].to(o.device, torch.float64) - oo, zero)
-        oz = torch.where(fin, oo, zero)
-        red = tuple(range(lead, o.dim()))
+    red = tuple(range(lead, o.dim()))
 
-        def total(x):
-            return x.sum(red) if red else x
+    def total(x):
+        return x.sum(red) if red else x
 
+    for sl, oo, fin, d in _finite_slices(a, o):
+        rz = torch.where(fin, r[sl].to(o.device, torch.float64) - oo, 0.0)
+        oz = torch.where(fin, oo, 0.0)
         out["err2"][sl], out["ref2"][sl], out["o2"][sl] = total(d * d), total(rz * rz), total(oz * oz)
         out["n"][sl] = total(fin.long())
         if contract.KERNEL_DTYPES.get(name) == "bfloat16":
@@ -260,30 +270,25 @@ def _row_names(name: str) -> str:
             "d_sink": "head"}.get(name, "row")
 
 
+def _largest(sl, x) -> tuple:
+    """(the largest value of ``x``, shaped like ``o[sl]``; its index into ``o``)."""
+    flat = int(torch.argmax(x.reshape(-1)))
+    return float(x.reshape(-1)[flat]), _whole_index(sl, torch.unravel_index(torch.tensor(flat), tuple(x.shape)))
+
+
 def _worst_elements(a, o, allowed, norm_o, n_fin, mode):
     """The elementwise view of a failure: mismatches against allowed x (|oracle| + rms), the worst element and
     the greatest absolute difference, as (entry fields, message lines)."""
     rms = norm_o / math.sqrt(max(n_fin, 1))
     mism, worst, top = 0, (-1.0, None), (-1.0, None)
-    for sl in _slices(o):
-        oo = o[sl].to(torch.float64)
-        fin = torch.isfinite(oo)
-        zero = torch.zeros((), dtype=torch.float64, device=o.device)
-        d = torch.where(fin, a[sl].to(o.device, torch.float64) - oo, zero).abs()
-        bound = allowed * (torch.where(fin, oo, zero).abs() + rms) if mode == "relative" else \
+    for sl, oo, fin, d in _finite_slices(a, o):
+        d = d.abs()
+        bound = allowed * (torch.where(fin, oo, 0.0).abs() + rms) if mode == "relative" else \
             torch.full_like(oo, allowed)
         excess = torch.nan_to_num(d / bound.clamp_min(1e-300), nan=math.inf)
         mism += int((d > bound).sum())
-        for best, x, keep in ((worst, excess, "worst"), (top, d, "top")):
-            flat = int(torch.argmax(x.reshape(-1)))
-            v = float(x.reshape(-1)[flat])
-            if v > best[0]:
-                idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(x.shape)))
-                idx = (idx[0] + (sl.start or 0),) + idx[1:] if idx else idx
-                if keep == "worst":
-                    worst = (v, idx)
-                else:
-                    top = (v, idx)
+        worst = max(worst, _largest(sl, excess), key=lambda t: t[0])  # ties keep the first
+        top = max(top, _largest(sl, d), key=lambda t: t[0])
     idx, amax = worst[1], top[1]
     pct = 100.0 * mism / max(o.numel(), 1)
     fields = dict(mismatches=mism, worst_index=idx, worst_kernel=float(a[idx]), worst_oracle=float(o[idx]))
