@@ -228,7 +228,8 @@ def check_rejection(backend, case):
             before = Snapshot(valid)
             msg = _try(backend, which, valid, ValueError, "")
             if msg:
-                problems.append(f"{which} on a case outside the declared domain ({reason}) {msg}")
+                problems.append(f"{which} on a case outside the declared domain ({reason}) {msg} "
+                                f"(check_{which}_args(..., supported_dims=self.dims) raises it)")
             problems += [f"{which} modified the caller's {w} (outside-domain call)" for w in before.writes()]
         return result(check, backend, case, problems, ratio=math.inf if problems else 0.0, per_tensor={},
                       notes=notes)
