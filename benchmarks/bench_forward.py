@@ -20,6 +20,7 @@ import statistics
 import sys
 
 import torch
+
 from sparse_mqa_kernels.bench import shapes, timing
 from sparse_mqa_testkit import contract, device_oracle
 

@@ -1,5 +1,10 @@
-# Fixtures shared by the repo's own tests.
+# Fixtures shared by the repo's own tests; tests/support.py is importable from every test folder.
+import os
+import sys
+
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(scope="module")

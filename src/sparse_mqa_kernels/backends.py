@@ -12,11 +12,12 @@ import os
 import sys
 
 import torch
+
 from sparse_mqa_testkit import contract
 from sparse_mqa_testkit.backends import BackendBase, MissingDependency
 from sparse_mqa_testkit.backends.validate import check_backward_args
-from sparse_mqa_testkit.compile_keys import CompileKey
-from sparse_mqa_testkit.torch_io import to_torch
+from sparse_mqa_testkit.cases.compile_keys import CompileKey
+from sparse_mqa_testkit.convert import to_torch
 
 from . import bwd_plan, fwd_plan
 from .backward_model import MODEL_QUERY_CHUNK, model_backward

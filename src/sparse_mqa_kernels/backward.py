@@ -50,6 +50,7 @@ and the alternatives measured on the way here, are in BENCHMARKS.md.
 import functools
 
 import torch
+
 from sparse_mqa_testkit import contract
 from sparse_mqa_testkit.backends.validate import check_backward_args
 
@@ -279,7 +280,7 @@ def _prep(q, kv, out, grad_out, lse, attn_sink, sm_scale, d_v):
     """Delta [B, S, H] and the fixed point (2**F as a float32 tensor, F) on the device, without a host sync.
 
     ``bwd_prep`` computes Delta and each query row's term of ``backward_model.dkv_bound``'s bound in one pass over q,
-    out and dO; Vmax (over the KV rows), each row's slot mass (``backward_model.slot_mass``) and the sum over
+    out and dO; Vmax (over the KV rows), each row's slot mass (``bwd_plan.slot_mass``) and the sum over
     query rows are torch reductions on fixed shapes.
     """
     B, S, H, Dqk = q.shape

@@ -50,7 +50,7 @@ def dkv_bound(q, kv, grad_out, sm_scale, d_v, mass) -> float:
 
 
 def accumulate_fixed(acc, rows, contrib, to_fixed):
-    """acc[rows] += rint(contrib * 2**F) in int64, as the kernel's atomics do: exact, so order-free."""
+    """acc[rows] += rint(contrib * 2**F) in int64, as the kernel's integer bulk reductions add: exact, so order-free."""
     ints = np.rint(np.asarray(contrib, dtype=np.float32) * np.float32(to_fixed)).astype(np.int64)
     np.add.at(acc, rows, ints)
 

@@ -8,8 +8,9 @@ head groups
     groups. Heads past H in the last group are *padding*: the kernel loads q = dO = 0, Delta = 0 and
     lse = +inf for them (so P = dS = 0 exactly) and never reads or writes row h >= H of any tensor.
 top-k blocks
-    Slots are processed ``topk_block`` at a time (``TOPK_BLOCKS``, by head group); L is padded up to a multiple and padded slots t >= L are
-    invalid: their index is never read, their KV row never gathered, their contribution never added.
+    Slots are processed ``topk_block`` at a time (``TOPK_BLOCKS``, by head group); L is padded up to a multiple and
+    padded slots t >= L are invalid: their index is never read, their KV row never gathered, their contribution never
+    added.
 query chunks
     Queries are launched ``query_chunk`` at a time so the per-chunk staging (Delta and the kernel LSE,
     fp32 [B, chunk, H] each, plus one d_sink partial row per chunk) fits ``workspace_budget``; the int64

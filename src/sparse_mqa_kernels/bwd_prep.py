@@ -2,9 +2,9 @@
 
 Per query row and head: Delta = <out, dO> (float32 sums), and the row's term of the fixed-point bound
 ``mass (c Vmax max|q| |dO| + max|dO|)`` (``bwd_plan.DS_BOUND_FACTOR``, ``backward_model.dkv_bound``; mass: the
-probability the row's slots hold, the rest is the sink's), summed over the row's heads. One thread block per query row reads its rows once; the sums run in a fixed order (tree reductions,
-no atomics), so Delta and the bound are bitwise the same on every run. The host adds the per-row partial
-bounds with a torch sum on a fixed shape.
+probability the row's slots hold, the rest is the sink's), summed over the row's heads. One thread block per query
+row reads its rows once; the sums run in a fixed order (tree reductions, no atomics), so Delta and the bound are
+bitwise the same on every run. The host adds the per-row partial bounds with a torch sum on a fixed shape.
 
 Why a kernel: the same quantities as float32 torch expressions read and write q, out and dO about twelve times
 over (BENCHMARKS.md has both timings).

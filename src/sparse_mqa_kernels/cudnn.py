@@ -24,9 +24,12 @@ What the adapter does, and why (read from the 1.32 sources of ``cudnn.DSA.Sparse
 from __future__ import annotations
 
 import torch
+
 from sparse_mqa_testkit import contract
 from sparse_mqa_testkit.backends import BackendBase, MissingDependency
 from sparse_mqa_testkit.backends.validate import check_backward_args
+from sparse_mqa_testkit.calls import Call
+from sparse_mqa_testkit.cases.tensors import case_tensors
 
 GPU_EXTRA_HINT = "pip install 'sparse-mqa-testkit[gpu]'"
 CUDNN_DIMS = ((576, 512), (512, 512))  # cuDNN's head_dim in {576, 512}, Dv = 512 for both
@@ -130,15 +133,11 @@ class CudnnBackend(BackendBase):
     def warmup(self, cases=()) -> list[str]:
         """One backward call per case (synthetic values: only the shapes and flags matter), so cuDNN compiles
         each kernel key before the checks time anything."""
-        from sparse_mqa_testkit.torch_io import case_tensors
-
         done = []
         for case in cases:
-            t = case_tensors(case, "cuda")
             out = torch.zeros(case.dims.shape("out"), dtype=torch.bfloat16, device="cuda")
             lse = torch.zeros(case.dims.shape("lse"), dtype=torch.float32, device="cuda")
-            self.backward(t["q"], t["kv"], out, t["grad_out"], lse, t["attn_sink"], t["indices"], t["sm_scale"],
-                          topk_length=t["topk_length"])
+            Call({**case_tensors(case, "cuda"), "out": out, "lse": lse}).invoke(self, "backward")
             done.append(f"cudnn Dqk{case.Dqk} H{case.H} L{case.L} topk_length={case.topk != 'none'}")
         torch.cuda.synchronize()
         return done

@@ -21,6 +21,7 @@ import functools
 import math
 
 import torch
+
 from sparse_mqa_testkit import contract
 from sparse_mqa_testkit.backends.validate import check_forward_args
 

@@ -2,8 +2,8 @@
 
 ``sparse_mqa_attention`` here takes and returns paddle tensors and has the same arguments, the same
 ``backward_backend`` switch and the same errors as ``autograd.sparse_mqa_attention``. It runs the very same
-kernels: both entry points choose their backends with ``autograd.choose`` (so a stand-in put into
-``autograd.LOADED`` serves both, which is how the CPU tests compare them). Tensors cross to torch through
+kernels: both entry points choose their backends with ``autograd.choose`` (and take backend objects in place of
+names alike, which is how the CPU tests compare them). Tensors cross to torch through
 DLPack without a copy, inside ``sparse_mqa_testkit.paddle.frontend.stream_scope`` (see there for the streams).
 """
 
@@ -29,7 +29,7 @@ class SparseMQAAttention(PyLayer):
             out, lse = to_paddle(out, "out"), to_paddle(lse, "lse")
         ctx.save_for_backward(q, kv, attn_sink, indices, topk_length, out, lse)
         ctx.sm_scale = sm_scale
-        ctx.backward_backend = backward_backend  # the backward of this very step, whatever LOADED holds later
+        ctx.backward_backend = backward_backend  # the backward of this very step, whatever is loaded later
         # PyLayer.backward returns one entry per tensor argument of forward, in order, and must return None
         # for one that needs no gradient (stop_gradient): record which is which
         ctx.tensor_args = [(name, not x.stop_gradient) for name, x in
@@ -56,12 +56,12 @@ class SparseMQAAttention(PyLayer):
 
 
 def sparse_mqa_attention(q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None,
-                         backward_backend="tilelang", return_lse=False):
+                         backward_backend="tilelang", return_lse=False, forward_backend=autograd.FORWARD):
     """Sparse MQA attention for training on paddle tensors: our forward, and ``backward_backend``'s backward.
 
     Arguments follow ``sparse_mqa_testkit.contract``. Returns ``out`` [B, S, H, Dv] (and the contract's ``lse``
     [B, S, H], not differentiable, when ``return_lse``) as paddle tensors. Gradients flow to q, kv and
-    attn_sink. ``backward_backend`` is one of ``autograd.BACKWARDS``; anything else is a ValueError.
+    attn_sink. ``backward_backend`` and ``forward_backend`` as in ``autograd.sparse_mqa_attention``.
     """
     autograd.check_choice(backward_backend)
     for arg, x in (("q", q), ("kv", kv), ("indices", indices), ("attn_sink", attn_sink),
@@ -69,6 +69,7 @@ def sparse_mqa_attention(q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_
         if x is not None and not is_paddle_tensor(x):
             raise ValueError(f"{arg} must be a paddle.Tensor, got {type(x).__module__}.{type(x).__name__}")
     dims = check_forward_args(q, kv, indices, sm_scale, d_v, attn_sink=attn_sink, topk_length=topk_length)
-    fwd, bwd = autograd.choose(backward_backend, dims, attn_sink=attn_sink, topk_length=topk_length)
+    fwd, bwd = autograd.choose(backward_backend, dims, attn_sink=attn_sink, topk_length=topk_length,
+                               forward_backend=forward_backend)
     out, lse = SparseMQAAttention.apply(q, kv, attn_sink, indices, topk_length, sm_scale, d_v, fwd, bwd)
     return (out, lse) if return_lse else out

@@ -14,8 +14,9 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "Case": "cases",
-    "backend_cases": "strategies",
-    "cases_for": "strategies",
+    "backend_cases": "cases.strategies",
+    "cases_for": "cases.strategies",
+    "Call": "calls",
     "CHECKS": "checks",
     "CheckFailure": "checks",
     "CheckResult": "checks",
@@ -28,6 +29,7 @@ _PUBLIC = {
     "BackendBase": "backends",
     "MissingDependency": "backends",
     "get_backend": "backends",
+    "BackendSpec": "backends",
     "forward": "oracle",
     "backward": "oracle",
 }

@@ -38,12 +38,16 @@ Backward, for cotangent dO
     d_sink[h] = -sum_{b,i} p_sink Delta,   p_sink = exp(sink - logaddexp(lse, sink))
 
 Kernel dtypes: q, kv, out, grad_out bfloat16; lse, attn_sink, d_sink float32; indices, topk_length int32.
-Kernels that keep a base-2 LSE with the sink folded in convert with ``lse_to_base2`` / ``lse_from_base2``;
+``ARGUMENTS`` holds all of this as data, one entry per argument and result (layout, dtype, where each call
+takes it, its rows, its rejection entries): validators, the call object (``calls.Call``), rejection entries and
+the per-row measures derive from it. Kernels that keep a base-2 LSE with the sink folded in convert with
+``lse_to_base2`` / ``lse_from_base2``;
 ``valid_mask``, ``invalid_values`` and ``sink_probability`` are the rules above as code (NumPy or torch).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 from dataclasses import dataclass
@@ -59,20 +63,138 @@ PRODUCTION_DIMS = ((576, 512), (512, 512))
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 
-# What a kernel takes and returns, by argument name. Names (not framework dtypes) keep this module NumPy-only.
-KERNEL_DTYPES = {
-    "q": "bfloat16",
-    "kv": "bfloat16",
-    "out": "bfloat16",
-    "grad_out": "bfloat16",
-    "lse": "float32",
-    "attn_sink": "float32",
-    "d_sink": "float32",
-    "dq": "bfloat16",
-    "dkv": "bfloat16",
-    "indices": "int32",
-    "topk_length": "int32",
-}
+# ---- the arguments and results of a kernel call, as data ------------------------------------------------------
+KEYWORD = "keyword"  # a call takes the argument by keyword (after the positional ones), default None
+
+
+@dataclass(frozen=True)
+class Argument:
+    """One argument or result of the kernels' calls. Validators, rejection entries, the call object, the inputs a
+    check builds and the per-row measures all derive from ``ARGUMENTS``: a new input is one entry here.
+
+    layout: the ``Dims`` fields of its shape (() for a scalar). dtype: the kernel dtype, or "float" / "int" for a
+    scalar. optional: None means absent. takes: (direction, position or ``KEYWORD``) for each call that takes it.
+    returns: (direction, index in the result tuple) for each call that returns it. oracle: the oracle's calls that
+    take it (the oracle recomputes out and lse). rows: how many leading dims name one row (per-row measures).
+    own_dim: the dim whose size only this argument sets (its wrong-size rejection entry). bad_dtypes: dtypes it
+    must be refused in. other_device: a rejection entry puts it on another device than q. fill: for an optional
+    argument a case leaves out, the value of a valid stand-in (a number, or a Dims field name). with_arg: a result
+    that is None exactly when that argument is None.
+    """
+
+    name: str
+    layout: tuple = ()
+    dtype: str = "float"
+    optional: bool = False
+    takes: tuple = ()
+    returns: tuple = ()
+    oracle: tuple = ()
+    rows: int = 0
+    own_dim: int | None = None
+    bad_dtypes: tuple = ()
+    other_device: bool = False
+    fill: float | str | None = None
+    with_arg: str | None = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return bool(self.layout)
+
+    @property
+    def layout_text(self) -> str:
+        return "[" + ", ".join(self.layout) + "]"
+
+    def position(self, direction: str):
+        """Its place in ``direction``'s call: an int, ``KEYWORD``, or None when that call does not take it."""
+        return dict(self.takes).get(direction)
+
+
+BOTH = ("backward", "forward")
+_BF16_BAD = ("float16", "float32")
+_F32_BAD = ("bfloat16", "float64")
+_I32_BAD = ("int64", "float32")
+
+ARGUMENTS = (
+    Argument("q", ("B", "S", "H", "Dqk"), "bfloat16", takes=(("backward", 0), ("forward", 0)), oracle=BOTH,
+             rows=3, own_dim=3, bad_dtypes=_BF16_BAD),
+    Argument("kv", ("B", "Skv", "Dqk"), "bfloat16", takes=(("backward", 1), ("forward", 1)), oracle=BOTH, rows=2,
+             own_dim=2, bad_dtypes=_BF16_BAD, other_device=True),
+    Argument("out", ("B", "S", "H", "Dv"), "bfloat16", takes=(("backward", 2),), returns=(("forward", 0),), rows=3,
+             own_dim=2, bad_dtypes=_BF16_BAD),
+    Argument("grad_out", ("B", "S", "H", "Dv"), "bfloat16", takes=(("backward", 3),), oracle=("backward",), rows=3,
+             own_dim=2, bad_dtypes=_BF16_BAD, other_device=True),
+    Argument("lse", ("B", "S", "H"), "float32", takes=(("backward", 4),), returns=(("forward", 1),), rows=3,
+             own_dim=2, bad_dtypes=_F32_BAD),
+    Argument("attn_sink", ("H",), "float32", optional=True, takes=(("backward", 5), ("forward", KEYWORD)),
+             oracle=BOTH, rows=1, own_dim=0, bad_dtypes=_F32_BAD, fill=0.0),
+    Argument("indices", ("B", "S", "L"), "int32", takes=(("backward", 6), ("forward", 2)), oracle=BOTH, rows=2,
+             own_dim=0, bad_dtypes=_I32_BAD, other_device=True),
+    Argument("sm_scale", (), "float", takes=(("backward", 7), ("forward", 3)), oracle=BOTH),
+    Argument("d_v", (), "int", takes=(("forward", 4),), oracle=BOTH),
+    Argument("topk_length", ("B", "S"), "int32", optional=True, takes=(("backward", KEYWORD), ("forward", KEYWORD)),
+             oracle=BOTH, rows=2, own_dim=1, bad_dtypes=_I32_BAD, fill="L"),
+    Argument("dq", ("B", "S", "H", "Dqk"), "bfloat16", returns=(("backward", 0),), rows=3),
+    Argument("dkv", ("B", "Skv", "Dqk"), "bfloat16", returns=(("backward", 1),), rows=2),
+    Argument("d_sink", ("H",), "float32", optional=True, returns=(("backward", 2),), rows=1, with_arg="attn_sink"),
+)
+# the arguments that fix a call's sizes: q gives B, S, H, Dqk; kv gives Skv; indices gives L (and d_v, Dv)
+SIZED_BY = ("q", "kv", "indices")
+# name -> kernel dtype of every tensor argument and result, as ``ARGUMENTS`` declares them
+KERNEL_DTYPES = {a.name: a.dtype for a in ARGUMENTS if a.is_tensor}
+
+_INDEX: dict = {}
+
+
+def _table() -> dict:
+    """name -> Argument for the current ``ARGUMENTS`` (rebuilt when the tuple is replaced, as a test may)."""
+    if _INDEX.get("of") is not ARGUMENTS:
+        _INDEX.clear()
+        _INDEX.update(of=ARGUMENTS, by_name={a.name: a for a in ARGUMENTS})
+    return _INDEX["by_name"]
+
+
+def argument(name: str) -> Argument:
+    """The table entry for ``name``; KeyError naming the known ones otherwise."""
+    try:
+        return _table()[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not an argument or result of the contract; known: "
+                       f"{', '.join(_table())}") from None
+
+
+def kernel_dtype(name: str) -> str:
+    """The dtype a kernel takes or returns ``name`` in ('bfloat16', 'float32', 'int32')."""
+    return argument(name).dtype
+
+
+def inputs_of(direction: str) -> tuple[str, ...]:
+    """The names ``direction`` ("backward" or "forward") takes, positional ones in order, then keywords."""
+    taken = [a for a in ARGUMENTS if a.position(direction) is not None]
+    positional = sorted((a for a in taken if a.position(direction) != KEYWORD), key=lambda a: a.position(direction))
+    return tuple(a.name for a in positional) + tuple(a.name for a in taken if a.position(direction) == KEYWORD)
+
+
+def results_of(direction: str) -> tuple[str, ...]:
+    """The names ``direction`` returns, in the order of its result tuple."""
+    out = sorted((dict(a.returns)[direction], a.name) for a in ARGUMENTS if direction in dict(a.returns))
+    return tuple(name for _, name in out)
+
+
+def oracle_inputs(direction: str) -> tuple[str, ...]:
+    """The names the oracle's ``direction`` takes (it recomputes out and lse from the primal inputs)."""
+    return tuple(a.name for a in ARGUMENTS if direction in a.oracle)
+
+
+def signature(direction: str) -> inspect.Signature:
+    """``direction``'s call signature (``Backend.backward`` / ``Backend.forward``), from the table."""
+    params = []
+    for name in inputs_of(direction):
+        if argument(name).position(direction) == KEYWORD:
+            params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None))
+        else:
+            params.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    return inspect.Signature(params)
+
 
 @dataclass(frozen=True)
 class Dims:
@@ -88,20 +210,7 @@ class Dims:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The contract's shape of argument or result ``name``."""
-        b, s, h = self.B, self.S, self.H
-        return {
-            "q": (b, s, h, self.Dqk),
-            "dq": (b, s, h, self.Dqk),
-            "kv": (b, self.Skv, self.Dqk),
-            "dkv": (b, self.Skv, self.Dqk),
-            "indices": (b, s, self.L),
-            "topk_length": (b, s),
-            "attn_sink": (h,),
-            "d_sink": (h,),
-            "out": (b, s, h, self.Dv),
-            "grad_out": (b, s, h, self.Dv),
-            "lse": (b, s, h),
-        }[name]
+        return tuple(getattr(self, d) for d in argument(name).layout)
 
 
 def dtype_name(x) -> str:
@@ -142,15 +251,18 @@ def _require_shape(name: str, x, expected: tuple[int, ...], layout: str) -> None
         raise ValueError(f"{name} must have shape {tuple(expected)} {layout}, got {_shape(x)}")
 
 
-def validate_shapes(q, kv, indices, *, d_v: int, attn_sink=None, topk_length=None, out=None, grad_out=None,
-                    lse=None) -> Dims:
+def validate_shapes(q, kv, indices, *, d_v: int, **given) -> Dims:
     """Check ranks and sizes of every given argument against the contract; return the call's ``Dims``.
 
-    Raises ValueError naming the first offending argument.
+    ``given``: any other tensor argument of the table by name (attn_sink, topk_length, out, grad_out, lse, ...);
+    None is skipped. Raises ValueError naming the first offending argument.
     """
-    _require_rank("q", q, 4, "[B, S, H, Dqk]")
-    _require_rank("kv", kv, 3, "[B, Skv, Dqk]")
-    _require_rank("indices", indices, 3, "[B, S, L]")
+    for name in given:
+        if not argument(name).is_tensor or name in SIZED_BY:
+            raise TypeError(f"validate_shapes() takes tensor arguments besides q, kv, indices; got {name!r}")
+    for name, x in (("q", q), ("kv", kv), ("indices", indices)):
+        a = argument(name)
+        _require_rank(name, x, len(a.layout), a.layout_text)
     B, S, H, Dqk = _shape(q)
     _, Skv, _ = _shape(kv)
     L = _shape(indices)[2]
@@ -170,35 +282,32 @@ def validate_shapes(q, kv, indices, *, d_v: int, attn_sink=None, topk_length=Non
     if not 1 <= d_v <= Dqk:
         raise ValueError(f"d_v must satisfy 1 <= d_v <= Dqk = {Dqk}, got {d_v}")
     dims = Dims(B=B, S=S, H=H, Dqk=Dqk, Dv=d_v, Skv=Skv, L=L)
-    layouts = {"attn_sink": "[H]", "topk_length": "[B, S]", "out": "[B, S, H, Dv]",
-               "grad_out": "[B, S, H, Dv]", "lse": "[B, S, H]"}
-    given = {"attn_sink": attn_sink, "topk_length": topk_length, "out": out, "grad_out": grad_out, "lse": lse}
     for name, x in given.items():
         if x is None:
             continue
-        expected = dims.shape(name)
-        _require_rank(name, x, len(expected), layouts[name])
-        _require_shape(name, x, expected, layouts[name])
-    if not _is_int_dtype(dtype_name(indices)):
-        raise ValueError(f"indices must be an integer array, got {dtype_name(indices)}")
-    if topk_length is not None and not _is_int_dtype(dtype_name(topk_length)):
-        raise ValueError(f"topk_length must be an integer array, got {dtype_name(topk_length)}")
-    for name, x in (("q", q), ("kv", kv), ("attn_sink", attn_sink), ("out", out), ("grad_out", grad_out),
-                    ("lse", lse)):
-        if x is not None and not _is_float_dtype(dtype_name(x)):
-            raise ValueError(f"{name} must be a floating-point array, got {dtype_name(x)}")
+        a = argument(name)
+        _require_rank(name, x, len(a.layout), a.layout_text)
+        _require_shape(name, x, dims.shape(name), a.layout_text)
+    for name, x in (("q", q), ("kv", kv), ("indices", indices), *given.items()):
+        if x is None:
+            continue
+        got = dtype_name(x)
+        if _is_int_dtype(kernel_dtype(name)) and not _is_int_dtype(got):
+            raise ValueError(f"{name} must be an integer array, got {got}")
+        if not _is_int_dtype(kernel_dtype(name)) and not _is_float_dtype(got):
+            raise ValueError(f"{name} must be a floating-point array, got {got}")
     return dims
 
 
 def validate_kernel_dtypes(**tensors) -> None:
-    """Check each given tensor against ``KERNEL_DTYPES`` by its argument name (None is skipped).
+    """Check each given tensor against its kernel dtype by its argument name (None is skipped).
 
     Raises ValueError such as ``grad_out must be bfloat16, got float16``.
     """
     for name, x in tensors.items():
         if x is None:
             continue
-        want = KERNEL_DTYPES[name]
+        want = kernel_dtype(name)
         got = dtype_name(x)
         if got != want:
             raise ValueError(f"{name} must be {want}, got {got}")

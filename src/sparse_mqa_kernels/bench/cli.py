@@ -19,34 +19,33 @@ import sys
 import time
 
 import torch
-from sparse_mqa_testkit import contract, device_oracle
-from sparse_mqa_testkit.backends import get_backend
+
+from sparse_mqa_testkit import contract
+from sparse_mqa_testkit.backends import BackendSpec, get_backend
+from sparse_mqa_testkit.calls import Call
+from sparse_mqa_testkit.oracle import device as device_oracle
 
 from .report import add_ratios, fmt_status, format_table, plot, pyplot, row
-from .shapes import (ANCHOR, ANCHOR_H, ANCHOR_L, INDICES, PRESETS, SWEEP_L, SWEEP_S, make_inputs, plan_shapes,
-                     tflops)
+from .shapes import ANCHOR, ANCHOR_H, ANCHOR_L, INDICES, PRESETS, SWEEP_L, SWEEP_S, make_inputs, plan_shapes, tflops
 from .timing import stability, time_calls
 
 
 def oracle_primal(x: dict) -> tuple:
     """(out bf16, lse fp32) of one input set from the device oracle: what a forward kernel would return."""
-    out, lse = device_oracle.forward(x["q"], x["kv"], x["indices"], sm_scale=x["sm_scale"], d_v=x["d_v"],
-                                     attn_sink=x["attn_sink"], topk_length=x["topk_length"])
+    out, lse = device_oracle.forward(**Call(x).oracle_args("forward"))
     return out.to(torch.bfloat16), lse.to(torch.float32)
 
 
 def _load(name: str, device: str):
     """(backend, None) or (None, reason) for a registry name; the reason ends up in the table."""
     try:
-        backend = get_backend(name)
-        require = getattr(backend, "require", None)
-        if callable(require):
-            require()
+        spec = BackendSpec.of(get_backend(name))
+        spec.require()
     except Exception as exc:  # any import/load failure is a skip, not a crash
         return None, f"{type(exc).__name__}: {exc}"
-    if getattr(backend, "device", "cpu") == "cuda" and not device.startswith("cuda"):
+    if spec.is_cuda and not device.startswith("cuda"):
         return None, f"needs a CUDA device, bench device is {device}"
-    return backend, None
+    return spec.backend, None
 
 
 def _progress(msg: str, quiet: bool) -> None:
@@ -116,11 +115,10 @@ def _skip_or_error(exc) -> tuple[str, str]:
 
 def _time_forward(backend, name, shape, groups, inputs, warmup, iters, device):
     results = []
+    bound = [Call(x).for_("forward") for x in inputs]  # (positional, keywords) per input set, formed once
 
     def call(k):
-        x = inputs[k]
-        return backend.forward(x["q"], x["kv"], x["indices"], x["sm_scale"], x["d_v"], attn_sink=x["attn_sink"],
-                               topk_length=x["topk_length"])
+        return backend.forward(*bound[k][0], **bound[k][1])
 
     try:
         results = [call(k) for k in range(len(inputs))]  # first calls also compile
@@ -134,11 +132,10 @@ def _time_forward(backend, name, shape, groups, inputs, warmup, iters, device):
 
 
 def _time_backward(backend, name, shape, groups, inputs, primal, warmup, iters, repeats, device):
+    bound = [Call({**x, "out": out, "lse": lse}).for_("backward") for x, (out, lse) in zip(inputs, primal)]
+
     def call(k):
-        x = inputs[k]
-        out, lse = primal[k]
-        return backend.backward(x["q"], x["kv"], out, x["grad_out"], lse, x["attn_sink"], x["indices"],
-                                x["sm_scale"], topk_length=x["topk_length"])
+        return backend.backward(*bound[k][0], **bound[k][1])
 
     try:
         call(0)  # compile / JIT outside the timed runs

@@ -11,7 +11,11 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from sparse_mqa_testkit import contract
+from sparse_mqa_testkit.cases import Case
+from sparse_mqa_testkit.cases.draws import draw_indices
+from sparse_mqa_testkit.cases.tensors import TorchDraws
 
 
 @dataclass(frozen=True)
@@ -91,9 +95,6 @@ def make_inputs(shape: Shape, device, seed: int, sink: bool = False, indices: st
             idx[b, i:i + n] = keys.argsort(dim=-1)[:, :L].to(torch.int32) if L <= Skv else \
                 torch.randint(0, Skv, (n, L), generator=g, device=device, dtype=torch.int32)
     if indices != "random":
-        from sparse_mqa_testkit.cases import Case, draw_indices
-        from sparse_mqa_testkit.torch_io import TorchDraws
-
         case = Case(B=B, S=S, Skv=Skv, H=H, L=L, Dqk=shape.Dqk, Dv=shape.Dv, pattern=indices, seed=seed)
         idx = draw_indices(case, TorchDraws(g, device))
     attn_sink = torch.randn(H, generator=g, device=device) if sink else None

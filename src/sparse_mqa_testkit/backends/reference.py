@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from .. import oracle
-from ..torch_io import to_torch
+from ..convert import to_torch
 from .base import BackendBase
 from .validate import check_backward_args, check_forward_args
 

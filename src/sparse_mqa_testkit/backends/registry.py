@@ -9,6 +9,10 @@ from importlib.metadata import entry_points
 
 import torch
 
+from .base import MissingDependency
+from .reference import ReferenceBackend
+from .spec import BackendSpec
+
 ENTRY_POINT_GROUP = "sparse_mqa_testkit.backends"
 REFERENCE = "reference"
 
@@ -47,8 +51,6 @@ def _instantiate(obj, label: str):
 def get_backend(name: str):
     """A backend by registered name or ``module:attr`` (a backend object, class or zero-argument factory)."""
     if name == REFERENCE:
-        from .reference import ReferenceBackend
-
         return ReferenceBackend()
     eps = _entry_points()
     if name in eps:
@@ -62,8 +64,6 @@ def get_backend(name: str):
 def describe_backends() -> list[dict]:
     """Every backend ``get_backend`` knows: name, origin, device, and whether it loads here (the reason if
     not). Loading imports each backend's module and asks its optional ``require()``."""
-    from .base import MissingDependency
-
     eps = _entry_points()
     out = []
     for name in available_backends():
@@ -71,11 +71,9 @@ def describe_backends() -> list[dict]:
             f" ({eps[name].dist.name})" if getattr(eps[name], "dist", None) else "")
         row = {"name": name, "origin": origin, "device": "?", "loads": True, "reason": ""}
         try:
-            backend = get_backend(name)
-            row["device"] = str(getattr(backend, "device", "cpu"))
-            require = getattr(backend, "require", None)
-            if callable(require):
-                require()
+            spec = BackendSpec.of(get_backend(name))
+            row["device"] = spec.device
+            spec.require()
         except MissingDependency as e:
             row.update(loads=False, reason=f"missing package: {e}")
         except Exception as e:
@@ -95,7 +93,7 @@ def default_backend_name() -> str:
     if torch.cuda.is_available():
         for name, ep in sorted(_entry_points().items()):
             try:
-                if getattr(ep.load(), "default_for", None) == "cuda":
+                if BackendSpec.of(ep.load()).default_for == "cuda":
                     return name
             except Exception:  # a backend that cannot load here is no default; naming it reports why
                 continue

@@ -12,15 +12,17 @@ import math
 
 import torch
 
-from .inputs import OUTPUTS, backend_inputs, bits_differ, bitwise_equal, call_named, directions, first_difference, snapshot
-from .result import exception_summary, fmt_index, result
-from .tolerance import K_DEFAULT, compare_outputs
+from ..backends.spec import BackendSpec
+from ..compare import Expected, bitwise_equal, compare_outputs, difference
+from ..compare.bitwise import snapshot
+from ..compare.model import K_DEFAULT
+from .result import exception_summary, result
 
 POISON_BYTES = 256 << 20  # per block; a poisoning round fills at most 4x this
 
 
-def _cuda_ok(backend) -> bool:
-    return str(getattr(backend, "device", "cpu")).startswith("cuda") and torch.cuda.is_available()
+def _cuda_ok(spec: BackendSpec) -> bool:
+    return spec.is_cuda and torch.cuda.is_available()
 
 
 def _cached_free_blocks(dev) -> list[int]:
@@ -80,16 +82,16 @@ def _busy_kernel(device):
     return side
 
 
-def _call(backend, t, which, mode: str):
+def _call(spec: BackendSpec, call, which, mode: str):
     """One call in a given environment: "plain", "side_stream" or "concurrent"."""
     if mode == "plain":
-        return call_named(backend, which, t)
-    dev = torch.device(backend.device)
+        return call.results(spec.backend, which)
+    dev = torch.device(spec.device)
     if mode == "side_stream":
         s = torch.cuda.Stream(device=dev)
         s.wait_stream(torch.cuda.current_stream(dev))  # inputs were made on the default stream
         with torch.cuda.stream(s):
-            outs = call_named(backend, which, t)
+            outs = call.results(spec.backend, which)
         torch.cuda.current_stream(dev).wait_stream(s)
         for v in outs.values():
             if v is not None:
@@ -98,19 +100,19 @@ def _call(backend, t, which, mode: str):
         return outs
     if mode == "concurrent":
         side = _busy_kernel(dev)
-        outs = call_named(backend, which, t)
+        outs = call.results(spec.backend, which)
         side.synchronize()
         torch.cuda.synchronize(dev)
         return outs
     raise ValueError(f"unknown mode {mode!r}")
 
 
-def _modes(backend, repeats: int, hostile: bool) -> tuple[list[str], list[str]]:
+def _modes(spec: BackendSpec, repeats: int, hostile: bool) -> tuple[list[str], list[str]]:
     """Environment of each repeat after the first, and what was skipped."""
     skipped = []
     cycle = ["plain"]
     if hostile:
-        if _cuda_ok(backend):
+        if _cuda_ok(spec):
             cycle = ["plain", "side_stream", "concurrent"]
         else:
             skipped = ["non-default stream", "concurrent kernel on another stream"]
@@ -127,31 +129,35 @@ def _rel_l2(a, b) -> float:
     return num / den if den > 0 else num
 
 
-def check_determinism(backend, case, *, repeats: int = 4, hostile: bool = True, k: float = K_DEFAULT):
+def check_determinism(backend, case, *, repeats: int = 4, hostile: bool = True, k: float = K_DEFAULT,
+                      expected: Expected | None = None):
     """Run backward (and forward when present) ``repeats`` times; a claimed-deterministic backend must give
     the same bits every time; another must stay inside the tolerance on every run (drift in ``notes``)."""
     check = "determinism"
-    claims = bool(getattr(backend, "deterministic", False))
-    modes, skipped = _modes(backend, repeats, hostile)
+    spec = BackendSpec.of(backend)
+    claims = spec.deterministic
+    modes, skipped = _modes(spec, repeats, hostile)
     notes = {"claims_deterministic": claims, "repeats": repeats, "environments": ["plain"] + modes}
     if hostile:
         notes["poisoned"] = "outputs and allocator filled with NaN between calls"
     if skipped:
         notes["skipped"] = [f"{s} (needs a CUDA backend and GPU)" for s in skipped]
     problems, per_tensor, worst, drift = [], {}, 0.0, {}
-    for which in directions(backend):
+    exp = expected
+    for which in spec.directions:
         try:
-            t = backend_inputs(backend, case)
-            first = call_named(backend, which, t)
+            exp = exp or Expected.for_backend(spec, case)
+            call = exp.call(spec.device)
+            first = call.results(spec.backend, which)
             base = snapshot(first)
             runs = []
             for mode in modes:
                 if hostile:
                     sizes = [v.numel() * v.element_size() for v in base.values() if v is not None]
-                    sizes += [v.numel() * v.element_size() for v in t.values() if hasattr(v, "numel")]
+                    sizes += [v.numel() * v.element_size() for v in call.tensors().values()]
                     _poison_outputs(first)
-                    poison_allocator(getattr(backend, "device", "cpu"), sizes)
-                first = _call(backend, t, which, mode)
+                    poison_allocator(spec.device, sizes)
+                first = _call(spec, call, which, mode)
                 runs.append((mode, snapshot(first)))
         except Exception as exc:
             problems.append(f"{which} raised {exception_summary(exc)}")
@@ -169,34 +175,21 @@ def check_determinism(backend, case, *, repeats: int = 4, hostile: bool = True, 
                     continue
                 reported = True  # the first differing call tells the story
                 worst = math.inf
-                if v is None or b0 is None or v.shape != b0.shape or v.dtype != b0.dtype:
-                    problems.append(f"{name}: call {i} ({mode}) returned {_desc(v)}, call 1 {_desc(b0)}")
-                else:
-                    idx = first_difference(v, b0)
-                    n = int(bits_differ(v, b0).sum())
-                    problems.append(
-                        f"{name}: call {i} ({mode}) differs bitwise from call 1 at {n} / {v.numel()} "
-                        f"elements (backend claims determinism)\n"
-                        f"  first at index {fmt_index(idx)}: call {i} {float(v[idx]):.6g}, "
-                        f"call 1 {float(b0[idx]):.6g}; relative L2 drift {_rel_l2(v, b0):.3e}")
+                text = difference(v, b0, got_label=f"call {i}", want_label="call 1")
+                if v is not None and b0 is not None and v.shape == b0.shape and v.dtype == b0.dtype:
+                    text += f"; relative L2 drift {_rel_l2(v, b0):.3e}"
+                problems.append(f"{name}: call {i} ({mode}) {text} (backend claims determinism)")
             if claims:
                 per_tensor[name] = {"error": drift.get(name, 0.0), "allowed": 0.0, "bitwise_equal": equal,
                                     "ratio": 0.0 if equal else math.inf}
         if not claims:  # every run must pass the tolerance model
-            names = OUTPUTS[which]
             for i, outs in enumerate([base] + [r for _, r in runs], start=1):
-                pt, probs, w = compare_outputs(names, outs, case, k=k, device=getattr(backend, "device", None),
-                                               sink_given=(t["attn_sink"] is not None) if which == "backward"
-                                               else None)
+                pt, probs, w = compare_outputs(outs, exp, k=k, device=spec.device)
                 for n, e in pt.items():
                     if e.get("ratio", 0.0) >= per_tensor.get(n, {}).get("ratio", -1.0):
                         per_tensor[n] = e
                 worst = max(worst, w)
                 problems += [f"run {i}: {p}" for p in probs]
     notes["drift"] = drift  # max relative L2 between call 1 and any later call, per tensor
-    return result(check, backend, case, problems, ratio=worst if problems or not claims else 0.0,
+    return result(check, spec, case, problems, ratio=worst if problems or not claims else 0.0,
                   per_tensor=per_tensor, notes=notes)
-
-
-def _desc(v) -> str:
-    return "None" if v is None else f"{tuple(v.shape)} {str(v.dtype).rsplit('.', 1)[-1]}"

@@ -14,16 +14,17 @@ import math
 import torch
 
 from .. import contract
-from .inputs import (OUTPUTS, backend_inputs, bits_differ, bitwise_equal, call_named, directions, first_difference,
-                     reference, snapshot, truth_device)
-from .result import exception_summary, fmt_index, result
-from .tolerance import K_DEFAULT, compare_outputs
+from ..backends.spec import BackendSpec
+from ..compare import Expected, bitwise_equal, compare_outputs, difference
+from ..compare.bitwise import snapshot
+from ..compare.model import K_DEFAULT
+from .result import exception_summary, result
 
 
-def unreferenced_rows(case, device=None):
-    """Boolean [B, Skv] torch mask of KV rows that no valid slot of ``case`` references, on the device the
-    case's reference lives on for a backend on ``device``."""
-    x = reference(case, truth_device(device, case)).inputs
+def unreferenced_rows(expected: Expected):
+    """Boolean [B, Skv] torch mask of KV rows that no valid slot of the case references, on the device its
+    expected results live on."""
+    case, x = expected.case, expected.inputs
     idx = x["indices"]
     valid = contract.valid_mask(idx, case.Skv, x["topk_length"])
     batch = torch.arange(case.B, device=idx.device)[:, None, None] * case.Skv
@@ -37,75 +38,63 @@ def other_case(case):
     return case.replace(seed=(case.seed + 1) % (2**32))
 
 
-def _same(label, got: dict, ref: dict, claims: bool, case, backend, which, k, t) -> tuple[list[str], dict, float]:
-    """Bitwise against ``ref`` for a deterministic backend, the tolerance model otherwise."""
-    if claims:
+def _same(label, got: dict, clean: dict, spec: BackendSpec, expected: Expected, k) -> tuple[list[str], dict, float]:
+    """Bitwise against the clean run for a deterministic backend, the tolerance model otherwise."""
+    if spec.deterministic:
         probs, pt = [], {}
-        for name, r in ref.items():
-            g = got.get(name)
-            eq = bitwise_equal(g, r)
+        for name, r in clean.items():
+            eq = bitwise_equal(got.get(name), r)
             pt[name] = {"error": 0.0 if eq else math.inf, "allowed": 0.0, "bitwise_equal": eq,
                         "ratio": 0.0 if eq else math.inf}
-            if eq:
-                continue
-            if g is None or r is None or g.shape != r.shape:
-                probs.append(f"{name}: {label}: got {None if g is None else tuple(g.shape)}, "
-                             f"clean run {None if r is None else tuple(r.shape)}")
-                continue
-            idx = first_difference(g, r)
-            n = int(bits_differ(g, r).sum())
-            probs.append(f"{name}: {label}: differs from the clean run at {n} / {g.numel()} elements\n"
-                         f"  first at index {fmt_index(idx)}: got {float(g[idx]):.6g}, clean run "
-                         f"{float(r[idx]):.6g}")
+            if not eq:
+                probs.append(f"{name}: {label}: {difference(got.get(name), r, want_label='clean run')}")
         return probs, pt, math.inf if probs else 0.0
-    pt, probs, worst = compare_outputs(OUTPUTS[which], got, case, k=k, device=getattr(backend, "device", None),
-                                       sink_given=(t["attn_sink"] is not None) if which == "backward" else None)
+    pt, probs, worst = compare_outputs(got, expected, k=k, device=spec.device)
     return [f"{label}: {p}" for p in probs], pt, worst
 
 
-def check_guards(backend, case, *, k: float = K_DEFAULT):
+def check_guards(backend, case, *, k: float = K_DEFAULT, expected: Expected | None = None):
     """Poisoned unreferenced KV rows change nothing; every output element is written on every call."""
     check = "guards"
-    claims = bool(getattr(backend, "deterministic", False))
-    unref = unreferenced_rows(case, getattr(backend, "device", None))
+    spec = BackendSpec.of(backend)
+    problems, per_tensor, worst, notes = [], {}, 0.0, {}
+    try:
+        exp = expected or Expected.for_backend(spec, case)
+        unref = unreferenced_rows(exp)
+    except Exception as exc:
+        return result(check, spec, case, [f"building inputs raised {exception_summary(exc)}"], ratio=math.inf,
+                      per_tensor={})
     notes = {"poisoned_rows": int(unref.sum()), "rows": int(unref.numel())}
     if not unref.any():
         notes["poison"] = "every KV row is referenced: nothing to poison in this case"
-    problems, per_tensor, worst = [], {}, 0.0
-    for which in directions(backend):
+    for which in spec.directions:
         try:
-            t = backend_inputs(backend, case)
-            clean = snapshot(call_named(backend, which, t))
+            call = exp.call(spec.device)
+            clean = snapshot(call.results(spec.backend, which))
             # 1. poisoned unreferenced rows
             if unref.any():
-                tp = dict(t)
-                kv = t["kv"].clone()
+                kv = call["kv"].clone()
                 kv[unref.to(kv.device)] = math.nan
-                tp["kv"] = kv
-                probs, pt, w = _same("with unreferenced KV rows set to NaN", snapshot(call_named(backend, which, tp)),
-                                     clean, claims, case, backend, which, k, t)
+                probs, pt, w = _same("with unreferenced KV rows set to NaN",
+                                     snapshot(call.replace(kv=kv).results(spec.backend, which)), clean, spec, exp, k)
                 problems += [f"{which} {p}" for p in probs]
                 per_tensor.update({f"poison.{n}": e for n, e in pt.items()})
                 worst = max(worst, w)
             # 2a. no NaN / inf where the oracle has none (the clean run against the oracle's positions)
-            pt, probs, _ = compare_outputs(OUTPUTS[which], clean, case, k=math.inf, device=getattr(backend, "device", None),
-                                           sink_given=(t["attn_sink"] is not None) if which == "backward"
-                                           else None)
+            pt, probs, _ = compare_outputs(clean, exp, k=math.inf, device=spec.device)
             nonfinite = [p for p in probs if "positions differ" in p or "shape" in p or "dtype" in p]
             problems += [f"{which} clean run: {p}" for p in nonfinite]
             if nonfinite:
                 worst = math.inf
             # 2b. stale values: other inputs of the same shapes first, then this case again
-            t_other = backend_inputs(backend, other_case(case))
-            call_named(backend, which, t_other)
-            again = snapshot(call_named(backend, which, t))
-            probs, pt, w = _same("after a call with other inputs of the same shapes", again, clean, claims, case,
-                                 backend, which, k, t)
+            Expected.for_backend(spec, other_case(case)).call(spec.device).results(spec.backend, which)
+            again = snapshot(call.results(spec.backend, which))
+            probs, pt, w = _same("after a call with other inputs of the same shapes", again, clean, spec, exp, k)
             problems += [f"{which} {p}" for p in probs]
             per_tensor.update({f"stale.{n}": e for n, e in pt.items()})
             worst = max(worst, w)
         except Exception as exc:
             problems.append(f"{which} raised {exception_summary(exc)}")
             worst = math.inf
-    return result(check, backend, case, problems, ratio=worst if (problems or not claims) else 0.0,
+    return result(check, spec, case, problems, ratio=worst if (problems or not spec.deterministic) else 0.0,
                   per_tensor=per_tensor, notes=notes)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..backends.spec import BackendSpec
 from .determinism import check_determinism
 from .guards import check_guards
 from .rejection import check_rejection
@@ -30,8 +31,9 @@ class Check:
 
     def applies_to(self, backend) -> str | None:
         """None when the check can run on ``backend``, else why not."""
-        if self.directions == ("forward",) and not callable(getattr(backend, "forward", None)):
-            return f"backend {getattr(backend, 'name', '?')!r} has no forward()"
+        spec = BackendSpec.of(backend)
+        if not set(self.directions) & set(spec.directions):
+            return f"backend {spec.name!r} has no {self.directions[0]}()"
         return None
 
 

@@ -6,12 +6,21 @@ element with its index and both values; then the case, its seed and a one-line c
 
 from __future__ import annotations
 
+import math
 import traceback
 from dataclasses import dataclass, field
+
+from ..backends.spec import BackendSpec
 
 # ratio of a failure that has no measure (wrong shape, crash, bits differ, not rejected): large but finite,
 # so a search can still use ratio as ``hypothesis.target`` (which refuses inf and NaN)
 FAILED_RATIO = 1e9
+
+
+def finite_ratio(x: float) -> float:
+    """A ratio as a finite number: inf, NaN and anything past ``FAILED_RATIO`` become ``FAILED_RATIO``."""
+    x = float(x)
+    return x if math.isfinite(x) and x < FAILED_RATIO else FAILED_RATIO
 
 
 class CheckFailure(AssertionError):
@@ -46,7 +55,7 @@ class CheckResult:
 
 
 def backend_name(backend) -> str:
-    return str(getattr(backend, "name", type(backend).__name__))
+    return BackendSpec.of(backend).name
 
 
 def case_footer(backend, check: str, case) -> str:
@@ -72,18 +81,8 @@ def exception_summary(exc: BaseException, frames: int = 4) -> str:
 
 def result(check, backend, case, problems, *, ratio, per_tensor, notes=None) -> CheckResult:
     passed = not problems
-    ratio = float(ratio)
-    if not ratio < FAILED_RATIO:  # inf, NaN or huge
-        ratio = FAILED_RATIO
-    return CheckResult(check=check, backend=backend_name(backend), case=case, passed=passed, ratio=float(ratio),
+    return CheckResult(check=check, backend=backend_name(backend), case=case, passed=passed,
+                       ratio=finite_ratio(ratio),
                        per_tensor=per_tensor, message="" if passed else failure_message(backend, check, case,
                                                                                         problems),
                        notes=dict(notes or {}))
-
-
-def fmt_index(idx) -> str:
-    return "(" + ", ".join(str(int(i)) for i in idx) + ("," if len(idx) == 1 else "") + ")"
-
-
-def fmt_value(v) -> str:
-    return f"{float(v):.6g}"

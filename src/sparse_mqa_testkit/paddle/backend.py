@@ -17,15 +17,16 @@ from __future__ import annotations
 import torch
 
 from ..backends.registry import resolve_backend
-from ..backends.validate import check_backward_args, check_forward_args
+from ..backends.spec import BackendSpec
+from ..backends.validate import check_args
+from ..calls import Call
+from ..contract import results_of
 from .frontend import is_paddle_tensor, stream_scope, to_paddle, to_torch
 
-_BACKWARD_ARGS = ("q", "kv", "out", "grad_out", "lse", "attn_sink", "indices")
 
-
-def _require_paddle(**tensors) -> None:
-    for name, x in tensors.items():
-        if x is not None and not is_paddle_tensor(x):
+def _require_paddle(call: Call) -> None:
+    for name, x in call.args.items():
+        if x is not None and hasattr(x, "shape") and not is_paddle_tensor(x):
             raise ValueError(f"{name} must be a paddle.Tensor, got {type(x).__module__}.{type(x).__name__}")
 
 
@@ -34,22 +35,22 @@ class _Delegating:
 
     def __init__(self, backend, label: str):
         self.inner = resolve_backend(backend)
-        self.name = f"{label}[{self.inner.name}]"
-        if not callable(getattr(self.inner, "forward", None)):
+        self.spec = BackendSpec.of(self.inner)
+        self.name = f"{label}[{self.spec.name}]"
+        if not self.spec.has_forward:
             self.forward = None  # the protocol's forward is optional: no forward here either
 
-    device = property(lambda self: self.inner.device)
-    deterministic = property(lambda self: bool(self.inner.deterministic))
-    tiles = property(lambda self: dict(getattr(self.inner, "tiles", {}) or {}))
-    dims = property(lambda self: getattr(self.inner, "dims", None))
+    device = property(lambda self: self.spec.device)
+    deterministic = property(lambda self: self.spec.deterministic)
+    tiles = property(lambda self: dict(self.spec.tiles))
+    dims = property(lambda self: self.spec.dims)
 
     def supports(self, case):
-        fn = getattr(self.inner, "supports", None)
-        return fn(case) if callable(fn) else None
+        return self.spec.supports(case)
 
     @property
     def has_forward(self) -> bool:
-        return callable(getattr(self.inner, "forward", None))
+        return self.spec.has_forward
 
     def __repr__(self) -> str:
         return f"<backend {self.name} on {self.device}{' deterministic' if self.deterministic else ''}>"
@@ -61,26 +62,19 @@ class PaddleBackend(_Delegating):
     def __init__(self, backend):
         super().__init__(backend, "paddle")
 
-    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
-        _require_paddle(q=q, kv=kv, out=out, grad_out=grad_out, lse=lse, attn_sink=attn_sink, indices=indices,
-                        topk_length=topk_length)
+    def _run(self, direction: str, call: Call):
+        _require_paddle(call)
         # the contract on the paddle tensors themselves, before any conversion or device work
-        check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length,
-                            supported_dims=self.dims)
-        with stream_scope(q):
-            t = [to_torch(x, n) for n, x in zip(_BACKWARD_ARGS, (q, kv, out, grad_out, lse, attn_sink, indices))]
-            res = self.inner.backward(*t, sm_scale, topk_length=to_torch(topk_length, "topk_length"))
-            return tuple(to_paddle(r, n) for n, r in zip(("dq", "dkv", "d_sink"), res))
+        check_args(direction, call.args, supported_dims=self.dims)
+        with stream_scope(call["q"]):
+            res = call.map_tensors(lambda n, x: to_torch(x, n)).invoke(self.inner, direction)
+            return tuple(to_paddle(r, n) for n, r in zip(results_of(direction), res))
 
-    def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
-        _require_paddle(q=q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)
-        check_forward_args(q, kv, indices, sm_scale, d_v, attn_sink=attn_sink, topk_length=topk_length,
-                           supported_dims=self.dims)
-        with stream_scope(q):
-            out, lse = self.inner.forward(to_torch(q, "q"), to_torch(kv, "kv"), to_torch(indices, "indices"),
-                                          sm_scale, d_v, attn_sink=to_torch(attn_sink, "attn_sink"),
-                                          topk_length=to_torch(topk_length, "topk_length"))
-            return to_paddle(out, "out"), to_paddle(lse, "lse")
+    def backward(self, *args, **kwargs):
+        return self._run("backward", Call.bind("backward", *args, **kwargs))
+
+    def forward(self, *args, **kwargs):
+        return self._run("forward", Call.bind("forward", *args, **kwargs))
 
 
 def _torch_to_paddle(name, x):
@@ -98,17 +92,16 @@ class TorchFacing(_Delegating):
     def __init__(self, paddle_backend, label: str = "torch-facing"):
         super().__init__(paddle_backend, label)
 
-    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
-        p = [_torch_to_paddle(n, x) for n, x in zip(_BACKWARD_ARGS, (q, kv, out, grad_out, lse, attn_sink, indices))]
-        res = self.inner.backward(*p, sm_scale, topk_length=_torch_to_paddle("topk_length", topk_length))
-        return tuple(to_torch(r, n) for n, r in zip(("dq", "dkv", "d_sink"), res))
+    def _run(self, direction: str, call: Call):
+        crossed = Call({n: _torch_to_paddle(n, x) for n, x in call.args.items()})
+        res = crossed.invoke(self.inner, direction)
+        return tuple(to_torch(r, n) for n, r in zip(results_of(direction), res))
 
-    def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
-        out, lse = self.inner.forward(_torch_to_paddle("q", q), _torch_to_paddle("kv", kv),
-                                      _torch_to_paddle("indices", indices), sm_scale, d_v,
-                                      attn_sink=_torch_to_paddle("attn_sink", attn_sink),
-                                      topk_length=_torch_to_paddle("topk_length", topk_length))
-        return to_torch(out, "out"), to_torch(lse, "lse")
+    def backward(self, *args, **kwargs):
+        return self._run("backward", Call.bind("backward", *args, **kwargs))
+
+    def forward(self, *args, **kwargs):
+        return self._run("forward", Call.bind("forward", *args, **kwargs))
 
 
 def through_paddle(backend="reference") -> TorchFacing:
@@ -116,7 +109,7 @@ def through_paddle(backend="reference") -> TorchFacing:
     tensors: ``TorchFacing(PaddleBackend(backend))``."""
     inner = resolve_backend(backend)
     facing = TorchFacing(PaddleBackend(inner))
-    facing.name = f"through-paddle[{inner.name}]"
+    facing.name = f"through-paddle[{BackendSpec.of(inner).name}]"
     return facing
 
 

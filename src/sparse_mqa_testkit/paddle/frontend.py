@@ -48,7 +48,8 @@ def is_paddle_tensor(x) -> bool:
 def to_torch(x, name: str = "tensor"):
     """A paddle tensor as a torch tensor sharing its memory (DLPack); None stays None.
 
-    The autograd link is cut (``detach``): gradients are the business of ``sparse_mqa_testkit.paddle.autograd``.
+    The autograd link is cut (``detach``): gradients are the business of the caller's autograd (a
+    ``paddle.autograd.PyLayer``).
     """
     if x is None:
         return None

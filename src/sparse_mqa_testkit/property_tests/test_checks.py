@@ -37,7 +37,7 @@ def test_check_outside_domain(smqa_check, case):
 def test_scale(smqa_checks, smqa_scale_case):
     """A production-shaped case (``sparse_mqa_testkit.scale``): the backward (and forward) against the float64
     device oracle row by row, then bitwise determinism over two runs."""
-    from sparse_mqa_testkit.scale import DETERMINISM_REPEATS
+    from sparse_mqa_testkit.checks.memory import DETERMINISM_REPEATS
 
     smqa_checks.tolerance(smqa_scale_case)
     smqa_checks.forward_tolerance(smqa_scale_case)

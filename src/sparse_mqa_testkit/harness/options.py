@@ -1,0 +1,38 @@
+"""The plugin's command-line options: every ``--smqa-*`` flag, with the environment variable it defaults to."""
+
+from __future__ import annotations
+
+from . import profiles
+from .state import BACKEND_ENV, LIMITS_ENV
+
+
+def add_options(parser) -> None:
+    """The suite's command-line options (``--smqa-*``)."""
+    g = parser.getgroup("sparse-mqa-testkit", "sparse-mqa-testkit conformance suite")
+    g.addoption("--smqa-backend", action="append", default=[], metavar="NAME",
+                help="backend to run the suite on: a registered name or module:attr (repeatable; "
+                     f"default ${BACKEND_ENV} or the machine's default backend)")
+    g.addoption("--smqa-profile", choices=profiles.PROFILES, default=None,
+                help=f"Hypothesis profile for the suite (default ${profiles.PROFILE_ENV} or dev)")
+    g.addoption("--smqa-database", default=None, metavar="DIR|redis://HOST:PORT[/DB]",
+                help="Hypothesis example database: directories and Redis URLs, comma-separated, all read and "
+                     f"written (default ${profiles.DATABASE_ENV}, else ./.hypothesis/smqa)")
+    g.addoption("--smqa-check", action="append", default=[], metavar="NAME",
+                help="run only these checks of the suite (repeatable; the names of "
+                     "sparse_mqa_testkit.checks.CHECKS)")
+    g.addoption("--smqa-compile-budget", type=int, default=None, metavar="N",
+                help="a backend that declares compile_keys compiles at most N kernel keys in the run (default "
+                     "$SMQA_COMPILE_BUDGET, else 8 / 16 / 32 for dev / ci / nightly)")
+    g.addoption("--smqa-json", default=None, metavar="PATH",
+                help="write the conformance table (per test: cases, worst ratio, coverage, failure) as JSON")
+    g.addoption("--smqa-require-gpu", action="store_true",
+                help="fail gpu-marked tests and CUDA backends when CUDA is absent instead of skipping them")
+    g.addoption("--smqa-allow-missing", action="store_true",
+                help="skip a backend whose optional packages are not installed (MissingDependency) instead of "
+                     "failing the run; a backend that fails to import for any other reason is always an error")
+    g.addoption("--smqa-scale", action="store_true",
+                help="also run the scale tier: production-shaped cases on each CUDA backend (the scale profile "
+                     "runs only that tier)")
+    g.addoption("--smqa-limits", default=None, metavar="SIZE=N,...",
+                help="raise or lower the drawn size limits: B, S, Skv, H, L (largest size) and work "
+                     f"(B*S*H*L*Dqk); default ${LIMITS_ENV}, e.g. L=130,H=20")

@@ -1,0 +1,131 @@
+"""What the plugin knows about one pytest run, in one typed object kept on the config (``run_state(config)``),
+and how the run's options become it: validated and loaded on first use (``selected``), so that a repo that never
+uses the suite never pays for it or fails on it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import pytest
+
+from ..backends import BackendNotFound, MissingDependency, default_backend_name, get_backend
+from ..backends.spec import BackendSpec
+from ..cases.limits import parse_limits
+from ..cases.planning import Plan, compile_budget, plan_backend
+from ..checks.registry import CHECKS
+from ..checks.result import exception_summary
+from . import profiles
+
+BACKEND_ENV = "SMQA_BACKEND"
+LIMITS_ENV = "SMQA_LIMITS"
+_KEY = pytest.StashKey["SuiteState"]()
+
+
+@dataclass
+class SuiteState:
+    """names: the backends as the run gave them (a registered name or module:attr). After ``selected``:
+    profile and its Hypothesis ``settings``, size ``limits``, compile ``budget``, the ``checks`` asked for, the
+    loaded ``specs`` and their ``plans`` by name, and ``missing`` (name -> why its package is absent, with
+    --smqa-allow-missing). Collected along the run: ``reports`` (the suite tests'), ``compile`` (warm-up per
+    backend), ``drawn`` (smqa_case's cases), ``workers`` (xdist workers and their GPUs)."""
+
+    names: list[str] | None = None
+    error: str | None = None
+    profile: str | None = None
+    settings: object = None
+    limits: dict = field(default_factory=dict)
+    budget: int = 0
+    checks: list[str] = field(default_factory=list)
+    specs: dict[str, BackendSpec] = field(default_factory=dict)
+    plans: dict[str, Plan] = field(default_factory=dict)
+    missing: dict[str, str] = field(default_factory=dict)
+    pool_used: bool = True
+    reports: list = field(default_factory=list)
+    compile: dict = field(default_factory=dict)
+    drawn: dict = field(default_factory=dict)
+    workers: dict = field(default_factory=dict)
+
+    def name_of(self, backend) -> str:
+        """The name the run gave a loaded backend object."""
+        return next(n for n, s in self.specs.items() if s.backend is backend)
+
+    def plan_of(self, backend) -> Plan:
+        return self.plans[self.name_of(backend)]
+
+
+def backend_names(config) -> list[str]:
+    """The backends the run names (option, else $SMQA_BACKEND), else the machine's default; each once."""
+    given = config.getoption("smqa_backend") or [os.environ.get(BACKEND_ENV, "")]
+    names = [n.strip() for arg in given for n in arg.split(",") if n.strip()]
+    return list(dict.fromkeys(names or [default_backend_name()]))
+
+
+def run_state(config) -> SuiteState:
+    """The run's state; its backend names are read from the options on first use (the default backend
+    imports torch, which a run that never uses the suite should not pay for)."""
+    if _KEY not in config.stash:
+        config.stash[_KEY] = SuiteState()
+    state = config.stash[_KEY]
+    if state.names is None:
+        state.names = backend_names(config)
+    return state
+
+
+def selected(config) -> SuiteState:
+    """The run's state with its profile, checks, limits and backends validated and loaded (once):
+    pytest.UsageError naming what is wrong, every time it is asked after a failure."""
+    state = run_state(config)
+    if state.error:
+        raise pytest.UsageError(state.error)
+    if state.profile is None:
+        try:
+            _select(config, state)
+        except pytest.UsageError as e:
+            state.error = str(e)
+            raise
+    return state
+
+
+def _select(config, state: SuiteState) -> None:
+    try:
+        profile = profiles.profile_name(config.getoption("smqa_profile"))
+        state.settings = profiles.profile_settings(profile, config.getoption("smqa_database"))
+        given = config.getoption("smqa_limits")
+        state.limits = parse_limits(given or os.environ.get(LIMITS_ENV, ""),
+                                    where="--smqa-limits" if given else LIMITS_ENV)
+        state.budget = compile_budget(config.getoption("smqa_compile_budget"), profile)
+    except ValueError as e:
+        raise pytest.UsageError(f"sparse-mqa-testkit: {e}") from None
+    wanted = [c.removeprefix("check_") for c in config.getoption("smqa_check")]
+    unknown = sorted(set(wanted) - set(CHECKS))
+    if unknown:
+        raise pytest.UsageError(f"--smqa-check {', '.join(unknown)}: not a check; choose from {', '.join(CHECKS)}")
+    state.checks = wanted
+    for name in state.names:
+        _load(config, state, name, profile)
+    state.profile = profile
+
+
+def _load(config, state: SuiteState, name: str, profile: str) -> None:
+    """Load and plan one backend, or raise pytest.UsageError saying why it cannot be (a missing optional package
+    is a skip with --smqa-allow-missing)."""
+    try:
+        spec = BackendSpec.of(get_backend(name))
+        spec.require()
+    except BackendNotFound as e:
+        raise pytest.UsageError(f"--smqa-backend {name}: {e}") from None
+    except MissingDependency as e:
+        if config.getoption("smqa_allow_missing"):
+            state.missing[name] = str(e)
+            return
+        raise pytest.UsageError(f"--smqa-backend {name}: {e}\n(pass --smqa-allow-missing to skip its tests "
+                                "instead)") from None
+    except Exception as e:  # a broken backend module is an error, with where it broke: never a skip
+        raise pytest.UsageError(f"--smqa-backend {name}: loading it raised {exception_summary(e, frames=6)}") \
+            from None
+    try:
+        state.plans[name] = plan_backend(spec, profile=profile, budget=state.budget, limits=state.limits)
+    except ValueError as e:
+        raise pytest.UsageError(f"--smqa-backend {name}: {e}") from None
+    state.specs[name] = spec

@@ -1,0 +1,128 @@
+"""The conformance table: one row per suite test from pytest's reports, printed and written as JSON.
+
+check | backend | cases | worst error vs allowed | verdict, then the boundary classes covered per backend.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..cases.strategies import COMMON_TILES
+from .recording import PROPERTY, merge_coverage, worst_rank
+
+
+def summarize(reports) -> list[dict]:
+    """One row per suite test from pytest reports (call phase, or setup when skipped/errored)."""
+    rows = {}
+    for rep in reports:
+        props = dict(getattr(rep, "user_properties", ()) or ())
+        data = props.get(PROPERTY)
+        if data is None:
+            continue
+        if rep.when == "call" or rep.nodeid not in rows:
+            outcome = rep.outcome if rep.when == "call" else ("skipped" if rep.skipped else "error")
+            reason = ""
+            if rep.skipped and isinstance(rep.longrepr, tuple):
+                reason = str(rep.longrepr[2]).removeprefix("Skipped: ")
+            rows[rep.nodeid] = {**data, "nodeid": rep.nodeid, "outcome": outcome, "reason": reason,
+                                "duration": round(float(getattr(rep, "duration", 0.0)), 3)}
+    return list(rows.values())
+
+
+def coverage(rows: list[dict]) -> dict:
+    """backend -> label -> {"n", "max_ratio"} summed over a run's tests."""
+    out: dict = {}
+    for r in rows:
+        merge_coverage(out.setdefault(r["backend"], {}), r.get("coverage") or {})
+    return out
+
+
+def timings(rows: list[dict], compile: dict) -> dict:
+    """backend -> {"compile_s": warm-up seconds (None without one), "keys": pooled kernel keys, "check_s": the
+    suite tests' own seconds}: compilation and checking, apart."""
+    out = {}
+    for r in rows:
+        t = out.setdefault(r["backend"], {"compile_s": None, "keys": None, "check_s": 0.0})
+        t["check_s"] = round(t["check_s"] + r.get("duration", 0.0), 3)
+    for name, done in compile.items():
+        if name in out:
+            out[name].update(compile_s=done["seconds"], keys=done["keys"])
+    return out
+
+
+def write_json(path, rows: list[dict], **meta) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({**meta, "rows": rows, "coverage": coverage(rows)}, indent=1))
+
+
+def merged(rows: list[dict]) -> list[dict]:
+    """One row per (check, backend): a check's explicit boundary examples and its drawn cases together."""
+    order = {"error": 3, "failed": 2, "passed": 1, "skipped": 0}
+    out: dict = {}
+    for r in rows:
+        key = (r["check"], r["backend"])
+        if key not in out:
+            out[key] = dict(r)
+            continue
+        m = out[key]
+        m["cases"] += r["cases"]
+        if r.get("worst") and (not m.get("worst") or worst_rank(r["worst"]) > worst_rank(m["worst"])):
+            m["worst"] = r["worst"]
+        if order.get(r["outcome"], 3) > order.get(m["outcome"], 3) or m["outcome"] == "skipped":
+            m.update(outcome=r["outcome"], reason=r.get("reason", ""), failure=r.get("failure") or m.get("failure"))
+        m["coverage"] = merge_coverage(dict(m.get("coverage") or {}), r.get("coverage") or {})
+        m["unreachable"] = {**(m.get("unreachable") or {}), **(r.get("unreachable") or {})}
+    return list(out.values())
+
+
+def _worst_text(row: dict) -> str:
+    w = row.get("worst")
+    if not w:
+        return "-"
+    if w.get("ratio") is None:
+        reason = w.get("reason", "failed")
+        return reason if len(reason) <= 60 else reason[:57] + "..."
+    if "tensor" in w:
+        return f"{w['tensor']} {w['error']:.3g} / {w['allowed']:.3g} ({w['ratio']:.2f})"
+    return f"ratio {w['ratio']:.2f}"
+
+
+def format_table(rows: list[dict], timing: dict | None = None) -> str:
+    """check | backend | cases | worst error vs allowed | verdict, then per backend the compile and check time,
+    the boundary classes covered and those its domain cannot reach."""
+    verdict = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR"}
+    table = [("check", "backend", "cases", "worst error / allowed (ratio)", "verdict")]
+    rows = merged(rows)
+    for r in sorted(rows, key=lambda r: (r["backend"], r["check"])):
+        v = verdict.get(r["outcome"], r["outcome"].upper())
+        if r["outcome"] == "skipped" and r.get("reason"):
+            v += f" ({r['reason']})"
+        table.append((r["check"], r["backend"], str(r["cases"]), _worst_text(r), v))
+    widths = [max(len(row[i]) for row in table) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in table]
+    lines.insert(1, "-" * len(lines[0]))
+    for backend, t in (timing or {}).items():
+        compiled = "no warm-up" if t["compile_s"] is None else \
+            f"warm-up {t['compile_s']:.1f} s" + (f" ({t['keys']} kernel keys)" if t["keys"] else "")
+        lines += ["", f"time on {backend}: {compiled}, checks {t['check_s']:.1f} s"]
+    unreachable = {r["backend"]: {} for r in rows}
+    for r in rows:
+        unreachable[r["backend"]].update(r.get("unreachable") or {})
+    for backend in sorted({r["backend"] for r in rows if r["cases"]} -
+                          {r["backend"] for r in rows if r.get("tiles")}):
+        lines += ["", f"warning: {backend} declares no tiles: its cases were drawn near the common tile sizes "
+                      f"{', '.join(map(str, COMMON_TILES))} (declare tiles = {{'head_group': .., 'query_chunk': .., "
+                      "'topk_block': ..}} to test yours)"]
+    for backend, labels in coverage(rows).items():
+        if not labels:
+            continue
+        lines += ["", f"boundary classes covered on {backend} (cases, worst ratio over its checks):"]
+        cells = [f"{k}: {v['n']}" + (f" ({v['max_ratio']:.2f})" if v["max_ratio"] is not None else "")
+                 + (" FAIL" if v.get("failed") else "") for k, v in sorted(labels.items())]
+        width = max(map(len, cells)) + 2
+        for i in range(0, len(cells), 3):
+            lines.append("  " + "".join(c.ljust(width) for c in cells[i:i + 3]).rstrip())
+        for label, reason in sorted(unreachable.get(backend, {}).items()):
+            lines.append(f"  not reachable in its domain: {label} ({reason})")
+    return "\n".join(lines)

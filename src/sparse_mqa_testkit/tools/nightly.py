@@ -1,0 +1,170 @@
+"""Nightly fuzzing: the suite in the ``nightly`` profile for a time budget, turning what it finds into regressions.
+
+Runs the suite in rounds (each a child pytest), sizing each round's examples per test from the last round's
+speed so the budget is kept, with a persistent example database (a failure found here replays first in any
+later run pointed at the same database: ``pytest --smqa-database DIR``). Progress lines show examples,
+failures and time left. On a failure it writes, per failing check, a reproducer to the output folder (the
+one-line replay command, an ``@example(case=Case(...))`` decorator, and Hypothesis's own patch under
+``OUT/hypothesis/patches``) and exits non-zero. Every run appends the worst observed error-to-tolerance ratio
+per check and boundary class to a JSON ledger, so a slow creep toward the tolerance shows before it fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pkgutil
+import re
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .. import property_tests
+from ..harness import hypothesis_compat, profiles
+from ..harness.recording import DEADLINE_ENV, PROGRESS_ENV, merge_coverage
+from .runner import run_suite
+
+FIRST_ROUND = 20  # examples per test in the first round, to measure speed
+MAX_ROUND = 5000
+
+
+def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None, profile="nightly",
+                extra=()) -> int:
+    out = Path(out or "nightly-out").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    database = nightly_database(database or os.environ.get(profiles.DATABASE_ENV), out)
+    ledger = Path(ledger or out / "ledger.json")
+    start = time.monotonic()
+    deadline = start + budget
+    n, rounds, examples, failed_rows, last_round = FIRST_ROUND, 0, 0, [], 0.0
+    classes: dict = {}  # backend -> check -> label -> {"n", "max_ratio"}
+    print(f"[nightly] backends {', '.join(backends)}; budget {budget:.0f} s; database {database}; out {out}",
+          flush=True)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 1 or (rounds and left < 0.5 * last_round):
+            break
+        rounds += 1
+        env = dict(os.environ, **{profiles.MAX_EXAMPLES_ENV: str(n), PROGRESS_ENV: "30",
+                                  DEADLINE_ENV: str(time.time() + left),
+                                  "HYPOTHESIS_STORAGE_DIRECTORY": str(out / "hypothesis")})
+        t0 = time.monotonic()
+        rc, data = run_suite(backends, profile=profile, database=database, json_path=out / f"round-{rounds}.json",
+                             extra=extra, env=env, timeout=left + 300)
+        last_round = time.monotonic() - t0
+        rows = data.get("rows", [])
+        cases = sum(r["cases"] for r in rows)
+        examples += cases
+        _merge(classes, rows)
+        failed_rows = [r for r in rows if r["outcome"] in ("failed", "error")]
+        print(f"[nightly] round {rounds}: {n} examples/test, {cases} cases in {last_round:.0f} s; total "
+              f"{examples} cases, {len(failed_rows)} failures, {max(0.0, deadline - time.monotonic()):.0f} s left",
+              flush=True)
+        if rc != 0:
+            if not failed_rows:  # pytest itself failed (usage error, crash, timeout): report it as a failure
+                failed_rows = [{"check": "suite", "backend": ",".join(backends), "nodeid": "-",
+                                "failure": None, "outcome": f"pytest exit status {rc}"}]
+            break
+        per_example = last_round / max(1, n)
+        n = int(max(FIRST_ROUND, min(MAX_ROUND, 0.8 * (deadline - time.monotonic()) / per_example)))
+    elapsed = time.monotonic() - start
+    for row in failed_rows:
+        path = write_reproducer(out, row)
+        print(f"[nightly] FAILURE {row['check']} on {row['backend']}: reproducer {path}", flush=True)
+    append_ledger(ledger, classes, backends=backends, profile=profile, budget=budget, elapsed=elapsed,
+                  rounds=rounds, examples=examples, failures=len(failed_rows))
+    print(f"[nightly] {'FAIL' if failed_rows else 'PASS'}: {rounds} rounds, {examples} cases, "
+          f"{len(failed_rows)} failures in {elapsed:.0f} s; ledger {ledger}", flush=True)
+    return 1 if failed_rows else 0
+
+
+def nightly_database(spec, out: Path) -> str:
+    """The nightly's example database: the spec's directories (else OUT/examples) and its Redis URLs, shared by
+    every runner pointed at the same server."""
+    parts = [x.strip() for x in str(spec or "").split(",") if x.strip()]
+    urls = [x for x in parts if "://" in x]
+    dirs = [str(Path(x).resolve()) for x in parts if x not in urls] or [str((out / "examples").resolve())]
+    return ",".join(dirs + urls)
+
+
+def _merge(classes: dict, rows: list[dict]) -> None:
+    for r in rows:
+        merge_coverage(classes.setdefault(r["backend"], {}).setdefault(r["check"], {}), r.get("coverage") or {})
+
+
+def write_reproducer(out: Path, row: dict) -> Path:
+    """A text file with the replay command, the ``@example`` decorator and the failure message."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{row['backend']}-{row['check']}")
+    path = out / f"reproducer-{slug}.txt"
+    fail = row.get("failure")
+    patches = sorted((out / "hypothesis" / "patches").glob("*.patch"))
+    lines = [f"# {row['check']} failed on backend {row['backend']} "
+             f"({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC), test {row.get('nodeid', '-')}"]
+    if fail:
+        top = fail.get("highest_ratio")
+        lines += ["", "# replay (one line):", fail["repro"]]
+        if top is not None and fail.get("ratio") is not None and top > fail["ratio"]:
+            lines.append(f"# this shrunk case scores {fail['ratio']:.3g}; the search saw up to {top:.3g}")
+        lines += ["",
+                  "# regression: add above the failing @given test (sparse_mqa_testkit.property_tests or your own),",
+                  "# with `from hypothesis import example` and `from sparse_mqa_testkit import Case`:",
+                  f"@example(case={fail['case']})", "", "# failure:", fail["message"]]
+    else:
+        lines += ["", f"# no check result was recorded ({row.get('outcome')}); see the round log above"]
+    patch = suite_patch(row, out) if fail else None
+    if patch:
+        lines += ["", f"# Hypothesis's patch adding the @example to the suite (git apply): {patch}"]
+    if patches:
+        lines += ["", "# patches Hypothesis wrote itself:"] + [f"#   {p}" for p in patches]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def suite_patch(row: dict, out: Path) -> Path | None:
+    """Hypothesis's own ``@example`` patch for the suite test that failed (best effort: None if unavailable).
+
+    Written here because Hypothesis cannot write it itself: the falsifying example it prints includes the
+    ``smqa_backend`` fixture, whose repr is not Python.
+    """
+    try:
+        # the failing test: a check's own (test_check, parametrized over the registry) or coverage's
+        func_name = "test_check_outside_domain" if row["check"].endswith("_outside_domain") else "test_check"
+        for info in pkgutil.iter_modules(property_tests.__path__):
+            module = importlib.import_module(f"{property_tests.__name__}.{info.name}")
+            func = getattr(module, func_name, None)
+            if func is not None:
+                patch = hypothesis_compat.example_patch(func, f"{func_name}(case={row['failure']['case']})")
+                if patch is None:
+                    print(f"[nightly] no Hypothesis patch for {row['check']}: it could not locate "
+                          f"{func_name} in {module.__file__}", flush=True)
+                    return None
+                slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{row['backend']}-{row['check']}")
+                path = out / f"reproducer-{slug}.patch"
+                path.write_text(patch)
+                return path
+    except Exception as e:  # a private Hypothesis helper: never let it hide the failure itself
+        print(f"[nightly] no Hypothesis patch for {row['check']}: {type(e).__name__}: {e}", flush=True)
+        return None
+    return None
+
+
+def append_ledger(path: Path, classes: dict, **meta) -> None:
+    """Append this run to the ledger (a JSON list) and print each class's worst ratio next to the last run's."""
+    runs = json.loads(path.read_text()) if path.exists() else []
+    previous = runs[-1]["ratios"] if runs else {}
+    entry = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **meta, "ratios": classes}
+    runs.append(entry)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(runs, indent=1))
+    for backend, checks in classes.items():
+        for check, labels in checks.items():
+            worst = [(v["max_ratio"], k) for k, v in labels.items() if v["max_ratio"] is not None]
+            if not worst:
+                continue
+            r, label = max(worst)
+            if r == 0:
+                continue
+            prev = previous.get(backend, {}).get(check, {}).get(label, {}).get("max_ratio")
+            was = f" (last run {prev:.3f})" if prev is not None else ""
+            print(f"[nightly] ledger {backend} {check}: worst ratio {r:.3f} at '{label}'{was}", flush=True)

@@ -1,0 +1,213 @@
+"""Our deterministic TileLang backward on a GPU: the conformance checks (tolerance vs the float64 oracle,
+bitwise determinism in a hostile environment, guards, rejection) over the contract's boundaries, plus
+agreement with the NumPy model of the same algorithm and a padded-head out-of-bounds probe."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("tilelang")
+
+from sparse_mqa_testkit import contract  # noqa: E402
+from sparse_mqa_testkit.backends.base import BackendBase  # noqa: E402
+from sparse_mqa_testkit.cases import Case  # noqa: E402
+from sparse_mqa_testkit.checks import check_backward_tolerance, check_determinism, check_guards, check_rejection  # noqa: E402
+from support import case_args  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+class BackwardOnly(BackendBase):
+    """The ``tilelang`` backend's backward alone, so these checks measure this kernel and not the forward."""
+
+    name = "tilelang-backward"
+    device = "cuda"
+    deterministic = True
+    dims = contract.PRODUCTION_DIMS
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        from sparse_mqa_kernels.backward import sparse_mqa_backward
+
+        return sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
+                                   topk_length=topk_length)
+
+
+BACKEND = BackwardOnly()
+
+_CASES = []
+for _i, (_dims, _h, _l, _sink, _topk, _invalid, _dup) in enumerate([
+    ((576, 512), 1, 1, "none", "none", "none", False),
+    ((576, 512), 1, 33, "finite", "random", "holes", True),
+    ((576, 512), 8, 65, "mixed", "none", "empty_rows", False),
+    ((576, 512), 15, 31, "pos_inf", "random", "out_of_range", True),
+    ((576, 512), 16, 32, "neg_inf", "none", "tails", False),
+    ((576, 512), 17, 100, "mixed", "random", "mixed", True),
+    ((576, 512), 64, 97, "finite", "random", "empty_rows", True),
+    ((576, 512), 128, 129, "mixed", "none", "holes", False),
+    ((512, 512), 17, 70, "finite", "random", "mixed", True),
+    ((512, 512), 64, 64, "none", "none", "none", False),
+    # 16-head groups at Dqk 512 over two top-k blocks: the staging once shared q's memory (NaN dq)
+    ((512, 512), 1, 33, "none", "none", "none", False),
+    ((512, 512), 16, 70, "finite", "random", "holes", True),
+]):
+    _CASES.append(Case(B=2, S=13, Skv=300, H=_h, L=_l, Dqk=_dims[0], Dv=_dims[1], sink=_sink, topk=_topk,
+                       invalid=_invalid, duplicates=_dup, seed=100 + _i))
+# L > Skv (every row referenced many times), and one tiny Skv
+_CASES.append(Case(B=1, S=7, Skv=5, H=33, L=40, Dqk=576, Dv=512, sink="finite", duplicates=True, seed=7))
+# -inf as an empty row's lse (cuDNN frontend's convention) with -inf sinks: zero gradients, finite d_sink
+_CASES.append(Case(B=2, S=13, Skv=300, H=64, L=70, Dqk=576, Dv=512, sink="mixed", invalid="empty_rows",
+                   empty_lse="neg_inf", seed=8))
+_IDS = [c.describe().replace(" ", "_") for c in _CASES]
+
+
+@pytest.mark.parametrize("case", _CASES, ids=_IDS)
+def test_tolerance(case):
+    check_backward_tolerance(BACKEND, case).raise_if_failed()
+
+
+@pytest.mark.parametrize("case", [_CASES[i] for i in (1, 5, 7, 12)], ids=[_IDS[i] for i in (1, 5, 7, 12)])
+def test_determinism_hostile(case):
+    check_determinism(BACKEND, case, repeats=4, hostile=True).raise_if_failed()
+
+
+@pytest.mark.parametrize("case", [_CASES[i] for i in (2, 3, 6)], ids=[_IDS[i] for i in (2, 3, 6)])
+def test_guards(case):
+    check_guards(BACKEND, case).raise_if_failed()
+
+
+def test_rejection():
+    check_rejection(BACKEND, _CASES[5]).raise_if_failed()
+
+
+def test_production_sized_determinism_and_model_agreement():
+    """A mid-sized case: bitwise stable over repeats on the default and a side stream, and close to the
+    NumPy model of the same algorithm (same plan and fixed point; tensor-core summation order differs)."""
+    from sparse_mqa_kernels.backward_model import model_backward
+
+    case = Case(B=1, S=64, Skv=2048, H=64, L=256, Dqk=576, Dv=512, sink="finite", invalid="holes", seed=3)
+    t = case_args(BACKEND, case)
+
+    def call():
+        return BACKEND.backward(t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"],
+                                t["indices"], t["sm_scale"], topk_length=t["topk_length"])
+
+    ref = [x.clone() for x in call()]
+    side = torch.cuda.Stream()
+    for k in range(4):
+        if k % 2:
+            with torch.cuda.stream(side):
+                got = call()
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            got = call()
+        torch.cuda.synchronize()
+        for name, a, b in zip(("dq", "dkv", "d_sink"), ref, got):
+            assert torch.equal(a, b), f"{name} differs on run {k}"
+    dq_m, dkv_m, ds_m, _ = model_backward(*(t[k].cpu() if t[k] is not None else None
+                                            for k in ("q", "kv", "out", "grad_out", "lse", "attn_sink",
+                                                      "indices")), t["sm_scale"])
+    for name, a, m in (("dq", ref[0], dq_m), ("dkv", ref[1], dkv_m), ("d_sink", ref[2], ds_m)):
+        a = a.float().cpu().numpy().astype(np.float64)
+        rel = np.linalg.norm(a - m) / max(np.linalg.norm(m), 1e-30)
+        assert rel < 4e-3, f"{name}: kernel vs model relative L2 {rel:.3e}"
+
+
+@pytest.mark.parametrize("H", [1, 8, 15, 33])
+def test_padded_heads_never_read_out_of_bounds(H):
+    """q, dO, lse, out of H heads (padded to a head group: 16, or 64 for the warp-specialised body) sit
+    directly before NaN guard memory: a read past head H - 1 would put NaN into the results."""
+    case = Case(B=1, S=4, Skv=64, H=H, L=40, Dqk=576, Dv=512, sink="finite", seed=H)
+    t = case_args(BACKEND, case)
+
+    def guarded(x):
+        n = x.numel()
+        buf = torch.full((n + 4096,), math.nan, dtype=torch.float32, device=x.device).to(x.dtype)
+        buf[:n] = x.reshape(-1)
+        return buf[:n].view(x.shape)
+
+    for name in ("q", "grad_out", "lse", "out"):
+        t[name] = guarded(t[name])
+    dq, dkv, d_sink = BACKEND.backward(t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"],
+                                       t["indices"], t["sm_scale"])
+    for name, x in (("dq", dq), ("dkv", dkv), ("d_sink", d_sink)):
+        assert torch.isfinite(x).all(), f"{name} has non-finite values: a read past head {H - 1}"
+
+
+def test_query_chunks_match_one_launch():
+    """Several launches (query chunks) give the same dq and dkv bits as one; d_sink sums its per-chunk
+    partials in a fixed order, so it agrees to float32 rounding."""
+    from sparse_mqa_kernels.backward import sparse_mqa_backward
+    from sparse_mqa_kernels.bwd_plan import BackwardConfig
+
+    case = Case(B=2, S=23, Skv=300, H=17, L=70, Dqk=576, Dv=512, sink="finite", topk="random",
+                invalid="holes", seed=5)
+    t = case_args(BACKEND, case)
+    args = (t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"], t["sm_scale"])
+    chunked = BackwardConfig(max_query_chunk=5)
+    one = sparse_mqa_backward(*args, topk_length=t["topk_length"])
+    many = sparse_mqa_backward(*args, topk_length=t["topk_length"], config=chunked)
+    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+    torch.testing.assert_close(one[2], many[2], rtol=1e-5, atol=1e-6)
+    again = sparse_mqa_backward(*args, topk_length=t["topk_length"], config=chunked)
+    assert all(torch.equal(a, b) for a, b in zip(many, again))
+
+
+@pytest.mark.parametrize("case", [_CASES[i] for i in (6, 7, 12)], ids=[_IDS[i] for i in (6, 7, 12)])
+def test_both_kernel_bodies_give_the_same_bits(case):
+    """64-head groups: the warp-specialised body and the single-role body run the same products in the same
+    order and sum dkv exactly, so dq, dkv and d_sink agree bit for bit (over one launch and several)."""
+    from sparse_mqa_kernels.backward import sparse_mqa_backward
+    from sparse_mqa_kernels.bwd_plan import BackwardConfig
+
+    t = case_args(BACKEND, case)
+    args = (t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"], t["sm_scale"])
+    ref = sparse_mqa_backward(*args, topk_length=t["topk_length"], config=BackwardConfig(single_role=True))
+    for config in (BackwardConfig(), BackwardConfig(max_query_chunk=4)):
+        got = sparse_mqa_backward(*args, topk_length=t["topk_length"], config=config)
+        for name, a, b in zip(("dq", "dkv", "d_sink"), got, ref):
+            same = (a is None and b is None) or torch.equal(a, b)
+            if name == "d_sink" and config.max_query_chunk != BackwardConfig().max_query_chunk:
+                same = same or bool(torch.allclose(a, b, rtol=1e-5, atol=1e-6))  # summed per launch
+            assert same, f"{name} differs from the single-role body with {config}"
+
+
+@pytest.mark.parametrize("H, dims, sink", [(1, (576, 512), False), (17, (576, 512), True), (64, (512, 512), True)])
+def test_prep_pass_matches_its_formulas(H, dims, sink):
+    """``bwd_prep``: Delta = <out, dO> to float32 summation error, the fixed-point exponent F the largest with
+    G 2**F <= 2**(ACC_BITS - HEADROOM_BITS) for G = sum over rows of m (c Vmax max|q| |dO| + max|dO|), m the
+    slot mass 1 / (1 + e^(sink - lse)) (computed here in float64; one head's sink takes all but ~e^-30),
+    heads past H (a step of 4 heads is padded at H = 1, 17) adding nothing; bitwise repeats."""
+    from sparse_mqa_kernels import backward, bwd_plan
+
+    Dqk, Dv = dims
+    g = torch.Generator(device="cuda").manual_seed(H)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+    B, S, sm_scale = 2, 37, 0.07
+    q, out, go, kv = rnd(B, S, H, Dqk, scale=3.0), rnd(B, S, H, Dv), rnd(B, S, H, Dv, scale=1e-3), rnd(B, 50, Dqk)
+    lse = torch.randn(B, S, H, device="cuda", generator=g) * 2
+    attn_sink = None
+    if sink:
+        attn_sink = torch.randn(H, device="cuda", generator=g)
+        attn_sink[0] = 30.0
+    delta, fx, F = backward._prep(q, kv, out, go, lse, attn_sink, sm_scale, Dv)
+    again = backward._prep(q, kv, out, go, lse, attn_sink, sm_scale, Dv)
+    assert all(torch.equal(a, b) for a, b in zip((delta, fx, F), again))
+    ref = (out.double() * go.double()).sum(-1)
+    bound = (out.double().abs() * go.double().abs()).sum(-1)
+    assert ((delta.double() - ref).abs() <= 1e-6 * bound + 1e-30).all()
+    vmax = kv[..., :Dv].double().norm(dim=-1).max()
+    mass = 1.0 if attn_sink is None else torch.sigmoid(lse.double() - attn_sink.double())
+    G = (mass * (abs(sm_scale) * bwd_plan.DS_BOUND_FACTOR * vmax * q.double().abs().amax(-1) * go.double().norm(dim=-1)
+                 + go.double().abs().amax(-1))).sum().item()
+    top = 2.0 ** (bwd_plan.ACC_BITS - bwd_plan.HEADROOM_BITS)
+    f = int(F.item())
+    assert fx.item() == 2.0 ** f
+    assert G * 2.0 ** f <= top * (1 + 1e-5) and G * 2.0 ** (f + 1) > top * (1 - 1e-5), (G, f)

@@ -1,0 +1,178 @@
+"""CPU CI: the deterministic backward compiles for sm_90a (explicit target, no GPU needed), and the generated
+CUDA accumulates dkv only as int64 into the integer accumulator: no floating-point atomic or reduction."""
+
+import dataclasses
+import re
+
+import pytest
+
+pytest.importorskip("tilelang")
+
+from sparse_mqa_kernels import backward, bwd_plan  # noqa: E402
+
+FLOAT_ATOMICS = ("atomicAdd(", "AtomicAddx2", "AtomicAddx4", "tma_store_add", "red.global.add.f",
+                 "red.global.add.v", "red.global.add.noftz", "atom.global.add.f", ".add.f32", ".add.f16",
+                 ".add.bf16", ".add.noftz")
+
+
+ANCHOR = bwd_plan.make_plan(1, 4096, 8192, 64, 2048, 576, 512).key()
+SMALL_GROUP = bwd_plan.make_plan(1, 64, 128, 16, 64, 576, 512).key()
+ANCHOR_SINGLE = dataclasses.replace(ANCHOR, single_role=True)
+
+
+@pytest.fixture(scope="module")
+def source():
+    assert backward.TARGET == {"kind": "cuda", "arch": "sm_90a"}
+    return backward.kernel_source(ANCHOR)
+
+
+def test_compiles_for_sm90a(source):
+    assert "sparse_mqa_bwd_kernel" in source
+    assert "int64_t* __restrict__ Acc" in source
+
+
+def test_dkv_reduction_is_integer_only(source):
+    for bad in FLOAT_ATOMICS:
+        assert bad not in source, f"floating-point atomic or reduction {bad!r} in the generated CUDA"
+    assert "AtomicAdd" not in source
+    bulk = re.findall(r"cp\.reduce\.async\.bulk[\w:.]*", source)
+    assert set(bulk) == {"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64"}, sorted(set(bulk))
+    # the bulk reduction's destination is a row of the int64 accumulator
+    assert re.search(r"sparse_mqa_bulk_add_u64\(.*?\(&\(Acc\[", source)
+
+
+def _unguarded_reductions(src: str) -> list[str]:
+    """Bulk reductions into Acc whose destination row is not checked ``0 <= row`` just before (an invalid
+    slot's index must never become an address). Every reduction must name its row buffer recognisably."""
+    lines = src.splitlines()
+    bad, seen = [], 0
+    for i, line in enumerate(lines):
+        if "sparse_mqa_bulk_add_u64((" not in line:
+            continue
+        m = re.search(r"Acc\[\(*\(int64_t\)\(*(?:\(int\*\))?(\w+)\)?\[", line)
+        assert m, f"cannot tell which row this reduction writes: {line.strip()[:120]}"
+        seen += 1
+        name = m.group(1)
+        if not any(f"0 <= {name}[" in prev or f"0 <= ((int*){name})[" in prev for prev in lines[max(0, i - 4):i]):
+            bad.append(line.strip()[:120])
+    assert seen, "no bulk reduction found"
+    return bad
+
+
+def test_only_valid_rows_are_reduced(source):
+    assert not _unguarded_reductions(source)
+
+
+def _shared_ranges(src: str) -> dict:
+    """name -> byte offset of each buffer carved out of the kernel's dynamic shared memory."""
+    return {m.group(1): int(m.group(2)) for m in
+            re.finditer(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src)}
+
+
+@pytest.mark.parametrize("key", [ANCHOR_SINGLE, SMALL_GROUP], ids=["single-role-64-heads", "single-role-16-heads"])
+def test_single_role_body_reduces_integers_only(key):
+    """The single-role body (16/32-head groups, and single_role) keeps the integer-only dkv path too."""
+    assert not key.warp_specialized
+    src = backward.kernel_source(key)
+    for bad in FLOAT_ATOMICS:
+        assert bad not in src, f"{key}: floating-point atomic or reduction {bad!r} in the generated CUDA"
+    assert "AtomicAdd" not in src
+    assert re.search(r"sparse_mqa_bulk_add_u64\(.*?\(&\(Acc\[", src), key
+    assert not _unguarded_reductions(src)
+
+
+@pytest.mark.parametrize("key", [k for k in bwd_plan.all_variants() if not k.warp_specialized] + [ANCHOR_SINGLE],
+                         ids=lambda k: f"Dqk{k.dqk}-hg{k.head_group}-bi{k.topk_block}")
+def test_single_role_body_shares_no_shared_memory(key):
+    """q, dO and the KV tile live across the top-k loop; a shared-memory merge once gave the int64 staging q's
+    address (Dqk 512, 16-head groups: NaN dq from the second top-k block on, found by the suite on an H200)."""
+    offsets = _shared_ranges(backward.kernel_source(key))
+    assert {"Q_shared", "dO_shared", "KV_shared", "stage"} <= set(offsets), offsets
+    assert len(set(offsets.values())) == len(offsets), offsets
+
+
+def test_warp_specialised_roles_are_separate(source):
+    """The 64-head body: three roles with their own register budgets (setmaxnreg.inc draws only on what
+    setmaxnreg.dec released in the block: a budget over the launch's 168 per thread would hang), their own
+    named barriers (one id shared by two roles would let one role's threads complete another's barrier), and
+    no two shared-memory buffers at one address (the allocator cannot see that the roles run concurrently)."""
+    from sparse_mqa_kernels import backward_ws
+
+    assert ANCHOR.warp_specialized
+    marks = [re.search(rf"warpgroup_reg_alloc<{backward_ws.NREG[0]}>", source),
+             re.search(rf"warpgroup_reg_alloc<{backward_ws.NREG[1]}>", source),
+             re.search(rf"warpgroup_reg_dealloc<{backward_ws.NREG[2]}>", source)]
+    assert all(marks), "expected one register budget per role"
+    assert "__launch_bounds__(384, 1)" in source and sum(backward_ws.NREG) == 3 * 168
+    starts = [m.start() for m in marks] + [len(source)]
+    ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", source[a:b])) for a, b in zip(starts, starts[1:])]
+    assert all(ids[:2]), "each consumer synchronises its own threads"
+    for i in range(3):
+        for j in range(i + 1, 3):
+            assert not ids[i] & ids[j], f"roles {i} and {j} share named barriers {ids[i] & ids[j]}"
+    offsets = _shared_ranges(source)
+    assert len(offsets) >= 8 and len(set(offsets.values())) == len(offsets), offsets
+
+
+def test_variant_keys_choose_the_body():
+    """64-head groups run the warp-specialised body, 16- and 32-head groups the single-role one, and
+    ``single_role`` puts a 64-head group on the single-role body (the cross-check of the GPU tests)."""
+    keys = bwd_plan.all_variants()
+    assert {k.head_group for k in keys if k.warp_specialized} == {64}
+    assert all(not k.warp_specialized for k in keys if k.head_group < 64)
+    assert not ANCHOR_SINGLE.warp_specialized and ANCHOR_SINGLE != ANCHOR
+    assert "warp-specialised" in ANCHOR.describe() and "single-role" in ANCHOR_SINGLE.describe()
+
+
+def test_deferred_rounds_reduce_valid_rows_only(source):
+    """A block's last DEFER staging rounds go out during the next block's products: every reduction stays
+    integer-only and guarded by its row's validity. Call sites: 2 rounds per block, one reduction each for
+    consumer 0 and two for consumer 1 (its columns and the tail), and a deferred round also has a copy after
+    the top-k loop for the last block."""
+    from sparse_mqa_kernels import backward_ws
+
+    assert not _unguarded_reductions(source)
+    rounds = ANCHOR.topk_block // backward_ws.STAGE_ROWS
+    assert source.count("sparse_mqa_bulk_add_u64((") == 3 * (rounds + min(backward_ws.DEFER, rounds))
+
+
+def test_prep_pass_compiles_without_atomics():
+    """``bwd_prep`` (Delta and the fixed-point bound per query row): fixed-order sums, no atomic of any kind,
+    both head dims of the contract."""
+    from sparse_mqa_kernels import bwd_prep
+    from sparse_mqa_testkit import contract
+
+    for dqk, dv in contract.PRODUCTION_DIMS:
+        src = bwd_prep.compiled(dqk, dv).get_kernel_source()
+        assert "sparse_mqa_bwd_prep_kernel" in src
+        assert "atomic" not in src.lower() and "red.global" not in src
+        assert re.search(r"float\* __restrict__ Delta", src) and re.search(r"float\* __restrict__ Bound", src)
+
+
+def test_reduction_benchmark_compiles_and_pads_to_its_occupancy():
+    """``benchmarks/bench_reduce.py`` (the int64 bulk-reduction floor behind issue 6's BENCHMARKS numbers):
+    its kernel compiles for sm_90a, sends rows only with its config's bulk reduction (.add.u64, or .add.f32 for
+    the float32 configs), and its shared memory admits exactly the blocks per SM the config names."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "bench_reduce.py"
+    spec = importlib.util.spec_from_file_location("bench_reduce", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.parse("16x2/3w256") == (16, 2, 3, 256, "int64") and mod.parse("8x1/2f32")[-1] == "float32"
+    for config in ("8x2/1", "8x2/3", "8x2/3f32"):
+        kernel = mod.build(*mod.parse(config), 132)
+        src = kernel.get_kernel_source()
+        dtype = mod.parse(config)[-1]
+        sends = set(re.findall(r"(sparse_mqa_bulk_add_\w+)\(\(", src))
+        assert sends == {"sparse_mqa_bulk_add_u64" if dtype == "int64" else "sparse_mqa_bulk_add_f32"}, sends
+        assert "AtomicAdd" not in src
+        # (TIR prints no dtype for float32, its default)
+        typed = "" if dtype == "float32" else f', "{dtype}"'
+        words = int(re.search(rf'sblock_alloc_buffer\(\((\d+),\){typed}, scope="shared.dyn"',
+                              str(kernel.adapter.ir_module)).group(1))
+        per_sm = mod.parse(config)[2]
+        # an SM has 228 KB of shared memory and each block also takes 1 KB of it
+        size = words * mod.ESIZE[dtype]
+        assert (228 * 1024) // (size + 1024) == per_sm, (config, size)

@@ -1,0 +1,418 @@
+"""What the repo's tests share: CPU backends for testing the checks themselves (one plausible kernel emulation
+that must pass, deliberately broken backends with one bug each that a named check must catch, downstream
+module sources for subprocess runs), the oracle proof tests' helpers, and call and bitwise helpers.
+
+The emulation (``EmulatedKernel``) does in torch what a bf16 tensor-core kernel does: fp32 scores from bf16
+inputs, a base-2 LSE with the sink folded in, P and dS rounded to bf16 before their matmuls, Delta from the
+bf16 ``out``, dkv accumulated in fp32 in a scheduling-dependent order. It is the evidence that the tolerance
+model does not reject a legitimate kernel; the broken backends are the evidence that it rejects real bugs.
+"""
+
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from hypothesis import example
+
+from sparse_mqa_testkit import contract, oracle
+from sparse_mqa_testkit.backends.base import BackendBase
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+from sparse_mqa_testkit.backends.validate import check_backward_args, check_forward_args
+from sparse_mqa_testkit.calls import Call
+from sparse_mqa_testkit.cases import Case
+from sparse_mqa_testkit.cases.strategies import cases
+from sparse_mqa_testkit.compare import Expected
+
+LOG2E = contract.LOG2E
+
+# Source of a downstream module for the tests that run the CLI or the plugin in a subprocess: dq doubled once
+# the cache has 9 rows or more (a second KV tile mishandled), so the simplest case (Skv = 1) and the suite's
+# explicit boundary cases (Skv <= 8) pass, and a failure needs searching (or the example database).
+def _doubled_source(name: str, tensor: str) -> str:
+    """A downstream module whose backend returns ``tensor`` (dq or dkv) doubled once the cache has 9 rows."""
+    ret = {"dq": "(dq * 2 if kv.shape[1] >= 9 else dq), dkv, ds",
+           "dkv": "dq, (dkv * 2 if kv.shape[1] >= 9 else dkv), ds"}
+    return f'''
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class Broken(ReferenceBackend):
+    name = "{name}"
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        dq, dkv, ds = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
+                                       topk_length=topk_length)
+        return {ret[tensor]}
+'''
+
+
+DQ_DOUBLED_SOURCE = _doubled_source("broken", "dq")
+
+# Source of a downstream module with a kernel that compiles per shape, as cuDNN's DSA backward does: the reference
+# backend that "compiles" (sleeps) once per (H, L, topk given) and logs every key it is called with to
+# $COMPILE_LOG; and the same with a bug planted in one boundary class (dq doubled when L is one past a tile).
+COMPILING_SOURCE = '''
+import os, time
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class Compiling(ReferenceBackend):
+    name = "compiling"
+    tiles = {"head_group": 16, "topk_block": 16}
+    compile_keys = ("H", "L", "topk_given")
+
+    def __init__(self):
+        super().__init__()
+        self.compiled = set()
+
+    def _compile(self, q, indices, topk_length):
+        key = (int(q.shape[2]), int(indices.shape[2]), topk_length is not None)
+        with open(os.environ["COMPILE_LOG"], "a") as log:
+            log.write(f"{key}\\n")
+        if key not in self.compiled:
+            time.sleep(0.02)
+            self.compiled.add(key)
+
+    def warmup(self, cases):
+        for c in cases:  # one call per pooled key, before the checks
+            self._compile(type("Q", (), {"shape": (c.B, c.S, c.H)}), type("I", (), {"shape": (c.B, c.S, c.L)}),
+                          None if c.topk == "none" else True)
+
+    def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
+        res = super().forward(q, kv, indices, sm_scale, d_v, attn_sink=attn_sink, topk_length=topk_length)
+        self._compile(q, indices, topk_length)  # after validation: a refused call compiles nothing
+        return res
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        res = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length)
+        self._compile(q, indices, topk_length)
+        return res
+
+class PlantedAboveTile(Compiling):
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        dq, dkv, ds = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
+                                       topk_length=topk_length)
+        return (dq * 2 if indices.shape[2] % 16 == 1 else dq), dkv, ds
+'''
+
+
+def _bf16(x):
+    return x.to(torch.bfloat16).to(torch.float32)
+
+
+def _gather(q, kv, indices, topk_length):
+    """valid [B,S,L], K [B,S,L,Dqk] (fp32, zeros on invalid slots via where), safe indices."""
+    B, Skv = kv.shape[0], kv.shape[1]
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < Skv)
+    if topk_length is not None:
+        valid &= torch.arange(idx.shape[-1]) < topk_length.long()[..., None]
+    safe = torch.where(valid, idx, torch.zeros_like(idx))
+    K = kv.float()[torch.arange(B)[:, None, None], safe]
+    K = torch.where(valid[..., None], K, torch.zeros((), dtype=torch.float32))
+    return valid, K, safe
+
+
+def _base2_lse(s2, valid, sink):
+    """Kernel LSE: log2(sum exp2(s2) + exp2(sink * log2e)), +inf for empty rows and +inf sinks."""
+    s2 = torch.where(valid[:, :, None, :], s2, torch.tensor(-math.inf))
+    any_valid = valid.any(-1)[:, :, None]
+    m = torch.where(any_valid, s2.amax(-1), torch.zeros(()))
+    own = torch.where(any_valid, m + torch.log2(torch.exp2(s2 - m[..., None]).sum(-1)), torch.tensor(math.inf))
+    if sink is None:
+        return own, own
+    sk = (sink.float() * LOG2E)[None, None, :].expand_as(own)
+    hi = torch.maximum(own, sk)
+    folded = torch.where(torch.isinf(hi), hi, hi + torch.log2(torch.exp2(own - hi) + torch.exp2(sk - hi)))
+    return own, folded
+
+
+class EmulatedKernel(BackendBase):
+    """A plausible bf16 kernel (not a bug): must pass tolerance; its dkv order drifts unless ``deterministic``.
+
+    accumulate: "fp32" (atomics in fp32 in a random order, then one rounding) or "bf16" (atomics straight into
+    a bf16 buffer in a random order: the order changes the bits).
+    """
+
+    name = "emulated-kernel"
+    device = "cpu"
+    deterministic = False
+    tiles = {"head_group": 16}
+
+    def __init__(self, accumulate: str = "fp32", seed: int | None = None, lse_is_base2: bool = False):
+        self.accumulate = accumulate
+        self.gen = torch.Generator().manual_seed(seed if seed is not None else 1234)
+        self.lse_is_base2 = lse_is_base2  # the bug of reading a natural LSE as the kernel's base-2 one
+
+    def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
+        check_forward_args(q, kv, indices, sm_scale, d_v, attn_sink=attn_sink, topk_length=topk_length)
+        valid, K, _ = _gather(q, kv, indices, topk_length)
+        s2 = torch.matmul(q.float(), K.transpose(-1, -2)) * (sm_scale * LOG2E)
+        own, folded = _base2_lse(s2, valid, attn_sink)
+        P = torch.where(valid[:, :, None, :], torch.exp2(s2 - folded[..., None]), torch.zeros(()))
+        out = torch.matmul(_bf16(P), K[..., :d_v])
+        return out.to(torch.bfloat16), (own * contract.LN2).to(torch.float32)
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        dims = check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
+                                   topk_length=topk_length)
+        valid, K, safe = _gather(q, kv, indices, topk_length)
+        qf, do, V = q.float(), grad_out.float(), K[..., : dims.Dv]
+        s2 = torch.matmul(qf, K.transpose(-1, -2)) * (sm_scale * LOG2E)
+        lse = torch.where(torch.isneginf(lse), math.inf, lse)  # the contract: -inf is an empty row's lse too
+        lse2 = lse.float() if self.lse_is_base2 else lse.float() * LOG2E
+        if attn_sink is not None:  # fold the sink in, base 2, as the forward kept it
+            sk = (attn_sink.float() * LOG2E)[None, None, :].expand_as(lse2)
+            hi = torch.maximum(lse2, sk)
+            lse2 = torch.where(torch.isinf(hi), hi, hi + torch.log2(torch.exp2(lse2 - hi) + torch.exp2(sk - hi)))
+        P = torch.where(valid[:, :, None, :], torch.exp2(s2 - lse2[..., None]), torch.zeros(()))
+        delta = (do * out.float()).sum(-1)  # from the bf16 out, as a kernel reads it
+        dp = torch.matmul(do, V.transpose(-1, -2))
+        dS = P * (dp - delta[..., None])
+        dSb, Pb = _bf16(dS), _bf16(P)
+        dq = torch.matmul(dSb, K) * sm_scale
+        contrib = torch.matmul(dSb.transpose(-1, -2), qf) * sm_scale  # [B,S,L,Dqk], summed over heads
+        contrib[..., : dims.Dv] += torch.matmul(Pb.transpose(-1, -2), do)
+        dkv = self._scatter(contrib, safe, valid, dims)
+        d_sink = None
+        if attn_sink is not None:
+            sink = attn_sink.float()[None, None, :]
+            p_sink = torch.exp2(sink * LOG2E - lse2)
+            p_sink = torch.where(torch.isposinf(sink), torch.ones(()), p_sink)
+            p_sink = torch.where(torch.isposinf(lse2) & ~torch.isposinf(sink), torch.zeros(()), p_sink)
+            d_sink = -(p_sink * delta).sum((0, 1))
+        return dq.to(torch.bfloat16), dkv, d_sink
+
+    def _scatter(self, contrib, safe, valid, dims):
+        rows = (safe + (torch.arange(dims.B) * dims.Skv)[:, None, None]).reshape(-1)[valid.reshape(-1)]
+        vals = contrib.reshape(-1, dims.Dqk)[valid.reshape(-1)]
+        perm = torch.randperm(rows.numel(), generator=self.gen)  # the order atomics happen to land in
+        rows, vals = rows[perm], vals[perm]
+        if self.accumulate == "fp32":
+            acc = torch.zeros(dims.B * dims.Skv, dims.Dqk, dtype=torch.float32)
+            for r, v in zip(rows.tolist(), vals):  # one add at a time: the order sets the rounding
+                acc[r] += v
+            return acc.reshape(dims.B, dims.Skv, dims.Dqk).to(torch.bfloat16)
+        acc = torch.zeros(dims.B * dims.Skv, dims.Dqk, dtype=torch.bfloat16)
+        for r, v in zip(rows.tolist(), vals):
+            acc[r] = (acc[r].float() + v).to(torch.bfloat16)
+        return acc.reshape(dims.B, dims.Skv, dims.Dqk)
+
+
+# ---- one bug each ----------------------------------------------------------------------------------------
+
+class FlippedSinkGrad(ReferenceBackend):
+    """d_sink with the wrong sign."""
+
+    name = "broken-flipped-sink"
+
+    def backward(self, *args, **kw):
+        dq, dkv, d_sink = super().backward(*args, **kw)
+        return dq, dkv, None if d_sink is None else -d_sink
+
+
+class MinusOneAsZero(ReferenceBackend):
+    """Reads index -1 as row 0 (a clamp instead of a skip)."""
+
+    name = "broken-minus-one"
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        indices = torch.where(indices == -1, torch.zeros_like(indices), indices)
+        return super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length)
+
+
+class TopkIgnored(ReferenceBackend):
+    """Takes topk_length and drops it."""
+
+    name = "broken-topk-ignored"
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        return super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=None)
+
+
+class Base2LseForward(ReferenceBackend):
+    """Forward returns the kernel's base-2, sink-folded LSE where the contract's natural one is due."""
+
+    name = "broken-base2-lse-forward"
+
+    def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
+        out, lse = super().forward(q, kv, indices, sm_scale, d_v, attn_sink=attn_sink, topk_length=topk_length)
+        lse2 = lse.double() * LOG2E
+        if attn_sink is not None:
+            sk = attn_sink.double() * LOG2E
+            lse2 = torch.where(torch.isposinf(lse2), lse2, torch.logaddexp2(lse2, sk.expand_as(lse2)))
+        return out, lse2.float()
+
+
+def base2_lse_backward():
+    """Backward that reads the natural LSE it is given as base 2."""
+    b = EmulatedKernel(lse_is_base2=True)
+    b.name = "broken-base2-lse-backward"
+    return b
+
+
+class Float16Accepted(ReferenceBackend):
+    """Casts whatever floating dtype it gets instead of rejecting it."""
+
+    name = "broken-float16-accepted"
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        q, kv, out, grad_out = (t.to(torch.bfloat16) for t in (q, kv, out, grad_out))
+        return super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length)
+
+
+def random_order_dkv():
+    """dkv accumulated by bf16 atomics in a random order, while claiming determinism."""
+    b = EmulatedKernel(accumulate="bf16", seed=7)
+    b.name, b.deterministic = "broken-random-order-dkv", True
+    return b
+
+
+class HeadGroupDropped(ReferenceBackend):
+    """Loops over H // 16 full head groups: the heads of a last partial group get dq = 0."""
+
+    name = "broken-head-group"
+    tiles = {"head_group": 16}
+
+    def backward(self, *args, **kw):
+        dq, dkv, d_sink = super().backward(*args, **kw)
+        H = dq.shape[2]
+        dq = dq.clone()
+        dq[:, :, (H // 16) * 16:] = 0
+        return dq, dkv, d_sink
+
+
+class StaleRow(ReferenceBackend):
+    """Keeps its dq buffer across calls and skips query rows with no valid slot (an early exit that forgets to
+    write zeros): such a row shows whatever an earlier call left there."""
+
+    name = "broken-stale-row"
+
+    def __init__(self, device: str = "cpu"):
+        super().__init__(device)
+        self._buf = {}
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        dq, dkv, d_sink = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
+                                           topk_length=topk_length)
+        buf = self._buf.setdefault(tuple(dq.shape), torch.zeros_like(dq))
+        valid, _, _ = _gather(q, kv, indices, topk_length)
+        rows = valid.any(-1)  # [B, S]
+        buf[rows] = dq[rows]
+        return buf, dkv, d_sink
+
+
+class MaskMultiply(ReferenceBackend):
+    """Gathers clamped rows and multiplies by the mask instead of selecting: NaN in an unreferenced row leaks."""
+
+    name = "broken-mask-multiply"
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        dq, dkv, d_sink = super().backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
+                                           topk_length=topk_length)
+        valid, _, _ = _gather(q, kv, indices, topk_length)
+        clamped = indices.long().clamp(0, kv.shape[1] - 1)
+        rows = kv.float()[torch.arange(kv.shape[0])[:, None, None], clamped]  # [B,S,L,Dqk]
+        leak = (rows * (~valid)[..., None].float()).sum(2)  # 0 unless a masked-off row holds NaN / inf
+        dq = (dq.float() + leak[:, :, None, :] * 0).to(torch.bfloat16)
+        return dq, dkv, d_sink
+
+
+BROKEN = {
+    "flipped_sink": FlippedSinkGrad,
+    "minus_one_as_zero": MinusOneAsZero,
+    "topk_ignored": TopkIgnored,
+    "base2_lse_forward": Base2LseForward,
+    "base2_lse_backward": base2_lse_backward,
+    "float16_accepted": Float16Accepted,
+    "random_order_dkv": random_order_dkv,
+    "head_group_dropped": HeadGroupDropped,
+    "stale_row": StaleRow,
+    "mask_multiply": MaskMultiply,
+}
+
+# A second downstream module broken elsewhere (dkv doubled once the cache has 9 rows or more), for the tests of a
+# database two runners share: each must see the other's failure.
+DKV_DOUBLED_SOURCE = _doubled_source("broken-dkv", "dkv")
+
+
+# ---- calling backends ------------------------------------------------------------------------------------------
+def case_call(backend, case) -> Call:
+    """The arguments the checks would call ``backend`` with on ``case`` (inputs, oracle out and lse)."""
+    return Expected.for_backend(backend, case).call(getattr(backend, "device", "cpu"))
+
+
+def case_args(backend, case) -> dict:
+    """``case_call``'s arguments as a plain dict (for tests that edit them)."""
+    return dict(case_call(backend, case).args)
+
+
+def backward_of(backend, case) -> dict:
+    """``backend``'s backward results on ``case`` by name (dq, dkv, d_sink)."""
+    return case_call(backend, case).results(backend, "backward")
+
+
+def load_as(monkeypatch, name: str, backend) -> None:
+    """For this test, the training-step entry points (``sparse_mqa_kernels.autograd``) load ``backend`` for the
+    registered name ``name`` (a stand-in); other names load as before."""
+    from sparse_mqa_kernels import autograd
+
+    current = autograd.backend
+    monkeypatch.setattr(autograd, "backend", lambda n: backend if n == name else current(n))
+
+
+# ---- the oracle proof tests ------------------------------------------------------------------------------------
+# Small sizes: every proof test runs hundreds of cases on one CPU core.
+SMALL = dict(max_b=2, max_s=6, max_skv=12, max_h=5, max_l=10)
+
+
+def small_cases(**kw):
+    """Cases (configuration + seed) small enough for float64 finite differences and dense torch autograd."""
+    return cases(**{**SMALL, **kw})
+
+
+# Cases with every feature (mixed / +inf sinks, topk_length, far out-of-range values, duplicates, empty rows), so
+# each run covers them whatever Hypothesis draws.
+FEATURE_CASES = (
+    Case(B=2, S=5, Skv=7, H=3, L=9, Dqk=16, Dv=8, sink="mixed", topk="random", invalid="mixed", duplicates=True,
+         seed=10),
+    Case(B=2, S=6, Skv=9, H=4, L=6, Dqk=24, Dv=16, sink="finite", topk="random", invalid="empty_rows",
+         duplicates=True, seed=2),
+    Case(B=1, S=4, Skv=5, H=2, L=8, Dqk=5, Dv=3, sink="pos_inf", invalid="out_of_range", duplicates=True,
+         sm_scale=0.5, seed=2),
+)
+
+
+def every_feature(test):
+    """``@example`` each of ``FEATURE_CASES`` on a ``@given(case=...)`` test."""
+    for case in reversed(FEATURE_CASES):
+        test = example(case=case)(test)
+    return test
+
+
+def kwargs(x: dict) -> dict:
+    """The oracle's keyword arguments in an inputs dict (all but the tensors it takes by position)."""
+    return {k: v for k, v in Call(x).oracle_args("backward").items() if k not in ("q", "kv", "indices", "grad_out")}
+
+
+def run(x: dict, dtype=np.float64) -> dict:
+    """Forward and backward of the oracle on an inputs dict (as ``Case.inputs()`` makes)."""
+    call = Call(x)
+    out, lse = oracle.forward(**call.oracle_args("forward"), dtype=dtype)
+    dq, dkv, d_sink = oracle.backward(**call.oracle_args("backward"), dtype=dtype)
+    return {"out": out, "lse": lse, "dq": dq, "dkv": dkv, "d_sink": d_sink}
+
+
+def assert_bitwise(got: dict, want: dict, what: str, keys=None) -> None:
+    """np.array_equal on every result (NaN never equal), with the first differing position in the message."""
+    for k in keys or want:
+        a, b = got[k], want[k]
+        if a is None or b is None:
+            assert a is None and b is None, f"{what}: {k} is {a!r} vs {b!r}"
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {k} {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        if not np.array_equal(a, b):
+            diff = np.argwhere(~((a == b) | (np.isnan(a) & np.isnan(b))))
+            pos = tuple(diff[0])
+            raise AssertionError(f"{what}: {k} differs at {len(diff)} / {a.size} positions, first {pos}: "
+                                 f"{a[pos]!r} vs {b[pos]!r}")

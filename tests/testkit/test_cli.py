@@ -1,0 +1,164 @@
+"""sparse-mqa-check: replay, precompile, the main job on a broken backend, and a nightly run whose failure
+becomes a reproducer, a ledger entry and a database entry the next plain run replays."""
+
+import json
+
+import pytest
+
+from sparse_mqa_testkit.tools import cli, runner
+from sparse_mqa_testkit.tools.nightly import run_nightly
+from support import DQ_DOUBLED_SOURCE
+
+BROKEN = DQ_DOUBLED_SOURCE
+
+
+@pytest.fixture
+def broken(tmp_path, monkeypatch):
+    (tmp_path / "brokenkernels.py").write_text(BROKEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    monkeypatch.chdir(tmp_path)
+    return "brokenkernels:Broken"
+
+
+def test_replay_passes_and_fails_with_the_message(broken, capsys):
+    assert cli.main(["--backend", "reference", "--check", "tolerance", "--replay", "Case(H=3, seed=1)"]) == 0
+    assert "PASS: tolerance on backend reference" in capsys.readouterr().out
+    assert cli.main(["--backend", broken, "--check", "tolerance", "--replay", "Case(H=3, seed=1)"]) == 1
+    out = capsys.readouterr().out
+    assert "tolerance check failed for backend 'broken'" in out and "dq: relative L2 error" in out
+
+
+def test_replay_refuses_anything_but_a_case(capsys):
+    assert cli.main(["--check", "tolerance", "--replay", "__import__('os')"]) == 2
+    assert cli.main(["--replay", "Case()"]) == 2
+    assert "--replay needs --check" in capsys.readouterr().err
+
+
+PRECOMPILING = '''
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class Compiles(ReferenceBackend):
+    name = "compiles"
+    def precompile(self, directory):
+        (directory / "compiled.txt").write_text("fwd h64 sm_90a")
+        return ["fwd h16 sm_90a", "fwd h64 sm_90a"]
+
+class Crashes(ReferenceBackend):
+    name = "crashes"
+    def precompile(self, directory):
+        return 1 / 0
+'''
+
+
+def test_precompile_reports_each_backend_and_lists_variants(tmp_path, monkeypatch, capsys):
+    (tmp_path / "precompiling.py").write_text(PRECOMPILING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cache = tmp_path / "cache"
+    assert cli.main(["--precompile", str(cache), "--backend", "precompiling:Compiles"]) == 0
+    out = capsys.readouterr().out
+    assert "precompiling:Compiles: 2 kernel variants compiled" in out and "fwd h64 sm_90a" in out
+    assert (cache / "compiled.txt").exists()  # the backend was handed the directory
+    assert cli.main(["--precompile", str(cache), "--backend", "precompiling:Crashes", "--backend",
+                     "precompiling:Compiles", "--backend", "no_such_module_xyz:B", "--backend", "reference"]) == 1
+    out = capsys.readouterr().out
+    assert "no_such_module_xyz:B: cannot be loaded" in out and "NOT precompiled" in out
+    assert "reference: has no precompile(): nothing to compile ahead" in out and "(incomplete, see above)" in out
+    assert "precompiling:Crashes: precompile() failed" in out and "ZeroDivisionError" in out
+    assert "precompiling:Compiles: 2 kernel variants compiled" in out  # still compiled after the crash
+
+
+def test_main_job_fails_on_a_broken_backend_with_table_and_json(broken, tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("SMQA_MAX_EXAMPLES", "10")
+    rc = cli.main(["--backend", broken, "--check", "tolerance", "--json", str(tmp_path / "r.json")])
+    assert rc == 1
+    out = capfd.readouterr().out
+    assert "tolerance  brokenkernels:Broken" in out and "FAIL" in out
+    assert "sparse-mqa-check: FAIL" in out
+    assert "replay: sparse-mqa-check --backend brokenkernels:Broken --check tolerance" in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    outcomes = sorted((r["check"], r["outcome"]) for r in data["rows"])
+    assert outcomes == [("tolerance", "failed"), ("tolerance", "passed")]
+
+
+def test_nightly_failure_becomes_reproducer_ledger_and_replays_from_the_database(broken, tmp_path, monkeypatch,
+                                                                                  capfd):
+    out = tmp_path / "night"
+    rc = run_nightly([broken], budget=60, out=out, extra=["--smqa-check", "tolerance"])
+    assert rc == 1
+    printed = capfd.readouterr().out
+    assert "[nightly] round 1:" in printed and "s left" in printed and "FAILURE tolerance" in printed
+    (repro,) = out.glob("reproducer-*.txt")
+    text = repro.read_text()
+    assert "sparse-mqa-check --backend brokenkernels:Broken --check tolerance --replay \"Case(" in text
+    assert "@example(case=Case(" in text
+    patch = next(out.glob("reproducer-*.patch")).read_text()
+    assert "+@example(case=Case(" in patch and "test_checks.py" in patch
+    ledger = json.loads((out / "ledger.json").read_text())
+    assert ledger[-1]["failures"] == 1 and ledger[-1]["ratios"]["brokenkernels:Broken"]["tolerance"]
+    # the next plain run pointed at the same database replays the failure; without it, ci's one
+    # derandomized example (the simplest case, Skv = 1) passes
+    monkeypatch.setenv("SMQA_MAX_EXAMPLES", "1")
+    rc, _ = runner.run_suite([broken], profile="ci", extra=["--smqa-check", "tolerance"])
+    assert rc == 0
+    rc, data = runner.run_suite([broken], profile="ci", database=out / "examples", extra=["--smqa-check", "tolerance"])
+    assert rc == 1 and "failed" in {r["outcome"] for r in data["rows"]}
+
+
+def test_nightly_pass_appends_to_the_ledger_and_compares_with_the_last_run(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "night"
+    out.mkdir()
+    (out / "ledger.json").write_text(json.dumps([{"date": "yesterday", "ratios": {}}]))
+    assert run_nightly(["reference"], budget=5, out=out, extra=["--smqa-check", "tolerance"]) == 0
+    printed = capfd.readouterr().out
+    assert "[nightly] PASS: 1 rounds" in printed and "ledger reference tolerance: worst ratio" in printed
+    ledger = json.loads((out / "ledger.json").read_text())
+    assert len(ledger) == 2 and ledger[-1]["failures"] == 0 and ledger[-1]["examples"] > 0
+    ratios = ledger[-1]["ratios"]["reference"]["tolerance"]
+    assert ratios and all(v["max_ratio"] < 1 for v in ratios.values())
+    assert not list(out.glob("reproducer-*"))
+    # a creeping ratio is shown next to the last run's
+    from sparse_mqa_testkit.tools.nightly import append_ledger
+
+    for r in (0.25, 0.5):
+        append_ledger(out / "ledger.json", {"reference": {"tolerance": {"sink finite": {"n": 5, "max_ratio": r}}}})
+    assert "worst ratio 0.500 at 'sink finite' (last run 0.250)" in capfd.readouterr().out
+
+
+def test_progress_lines_name_examples_failures_and_time_left(monkeypatch, capfd):
+    import time
+
+    from sparse_mqa_testkit.cases import Case
+    from sparse_mqa_testkit.harness import recording
+
+    monkeypatch.setenv(recording.PROGRESS_ENV, "0.001")
+    monkeypatch.setenv(recording.DEADLINE_ENV, str(time.time() + 120))
+    monkeypatch.setattr(recording, "_last_progress", [0.0])
+    rec = recording.Recorder(check="tolerance", backend="reference")
+    rec.add_case(Case())
+    err = capfd.readouterr().err
+    assert "[smqa] tolerance[reference]: 1 examples, 0 failures, 2.0 min left" in err
+
+
+def test_a_main_job_that_checked_nothing_fails(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gpuonly.py").write_text(
+        "from sparse_mqa_testkit.backends.reference import ReferenceBackend\n"
+        "class OnGpu(ReferenceBackend):\n    name = 'ongpu'\n    def __init__(self):\n"
+        "        self.device = 'cuda'\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the child sees no GPU, whatever this machine has
+    assert cli.main(["--backend", "gpuonly:OnGpu", "--check", "guards"]) == 1
+    assert "nothing was checked: backend 'gpuonly:OnGpu' (device cuda) needs a CUDA GPU" in capfd.readouterr().out
+
+
+def test_list_backends_says_where_each_comes_from_and_whether_it_loads(capsys):
+    assert cli.main(["--list-backends"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["name", "origin", "device", "loads", "here"]
+    rows = {line.split()[0]: line for line in out[1:]}
+    assert "built-in" in rows["reference"] and rows["reference"].rstrip().endswith("yes")
+    assert "entry point sparse_mqa_kernels.backends:TileLangModelBackend" in rows["tilelang-model"]
+    # a backend whose optional packages are absent says which, instead of failing the listing
+    assert all(r.rstrip().endswith("yes") or " no: " in r for r in rows.values())

@@ -1,0 +1,76 @@
+"""The conformance table points at the failing tensor and measure, shows a failure without a measure by its
+reason, never a sentinel number, and says how long warm-up and checks took."""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_mqa_testkit import Case, check_backward_tolerance, check_forward_tolerance
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+from sparse_mqa_testkit.harness.recording import Recorder
+from sparse_mqa_testkit.harness.table import format_table, merged
+from support import Base2LseForward
+
+
+class DkvOneRowShort(ReferenceBackend):
+    name = "dkv-short"
+
+    def backward(self, *args, **kwargs):
+        dq, dkv, ds = super().backward(*args, **kwargs)
+        return dq, dkv[:, :-1], ds
+
+
+class DqOff(ReferenceBackend):
+    name = "dq-off"
+
+    def backward(self, *args, **kwargs):
+        dq, dkv, ds = super().backward(*args, **kwargs)
+        return (dq.float() * 1.1).to(torch.bfloat16), dkv, ds
+
+
+def _row(rec: Recorder, outcome="failed") -> dict:
+    return {**rec.data(), "nodeid": "x", "outcome": outcome, "reason": "", "duration": 0.5}
+
+
+def test_a_shape_failure_shows_its_reason_not_another_tensor_or_a_sentinel():
+    rec = Recorder(check="tolerance", backend="dkv-short")
+    for seed in range(3):
+        rec.add(check_backward_tolerance(DkvOneRowShort(), Case(seed=seed)))
+    table = format_table([_row(rec)])
+    line = next(x for x in table.splitlines() if x.startswith("tolerance"))
+    assert "dkv: shape (1, 15, 16) is not the contract's (1, 16, 16)" in line and "dq" not in line
+    assert "1000000000" not in table and "1e+09" not in table
+    assert "FAIL" in table  # the boundary classes the failing cases were in
+
+
+def test_a_measured_failure_shows_the_failing_tensor_and_its_ratio():
+    rec = Recorder(check="tolerance", backend="dq-off")
+    rec.add(check_backward_tolerance(DqOff(), Case(H=3, seed=1)))
+    worst = rec.worst
+    assert worst["tensor"] == "dq" and worst["ratio"] > 1 and worst["failed"]
+    rec = Recorder(check="forward_tolerance", backend="base2")
+    res = check_forward_tolerance(Base2LseForward(), Case(S=4, sink="finite", seed=4))
+    rec.add(res)
+    assert rec.worst["tensor"] == max(res.per_tensor, key=lambda n: res.per_tensor[n]["ratio"])
+    line = next(x for x in format_table([_row(rec)]).splitlines() if x.startswith("forward_tolerance"))
+    assert f"{rec.worst['tensor']} " in line and f"({rec.worst['ratio']:.2f})" in line
+
+
+def test_the_highest_ratio_of_the_search_stays_beside_the_shrunk_failure():
+    rec = Recorder(check="tolerance", backend="dq-off")
+    big, small = DqOff(), DqOff()
+    small.backward = lambda *a, **k: (lambda r: ((r[0].float() * 1.02).to(torch.bfloat16), r[1], r[2]))(
+        ReferenceBackend.backward(small, *a, **k))
+    rec.add(check_backward_tolerance(big, Case(H=3, seed=1)))
+    rec.add(check_backward_tolerance(small, Case(H=3, seed=1)))  # the shrunk case, replayed last
+    assert rec.failure["highest_ratio"] > rec.failure["ratio"]
+
+
+def test_rows_of_one_check_merge_and_timing_is_shown():
+    a, b = Recorder(check="tolerance", backend="x"), Recorder(check="tolerance", backend="x")
+    a.add(check_backward_tolerance(ReferenceBackend(), Case(seed=1)))
+    b.add(check_backward_tolerance(ReferenceBackend(), Case(seed=2)))
+    rows = merged([_row(a, "passed"), _row(b, "passed")])
+    assert len(rows) == 1 and rows[0]["cases"] == 2
+    table = format_table([_row(a, "passed")], {"x": {"compile_s": 62.5, "keys": 12, "check_s": 183.0}})
+    assert "time on x: warm-up 62.5 s (12 kernel keys), checks 183.0 s" in table
