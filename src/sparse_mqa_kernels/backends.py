@@ -14,13 +14,16 @@ import sys
 import torch
 
 from sparse_mqa_testkit import contract
-from sparse_mqa_testkit.backends import BackendBase, MissingDependency
+from sparse_mqa_testkit.backends import BackendBase, ByHeads, MissingDependency
 from sparse_mqa_testkit.backends.validate import check_backward_args
 from sparse_mqa_testkit.cases.compile_keys import CompileKey
 from sparse_mqa_testkit.convert import to_torch
 
 from . import bwd_plan, fwd_plan
 from .backward_model import MODEL_QUERY_CHUNK, model_backward
+
+# the top-k block follows the head group, which follows H: 32 slots at up to 16 heads, 16 beyond
+TOPK_BY_HEADS = ByHeads({hg: bwd_plan.TOPK_BLOCKS[hg] for hg in bwd_plan.HEAD_GROUPS})
 
 
 def _require_tilelang() -> None:
@@ -37,7 +40,7 @@ class TileLangBackend(BackendBase):
     deterministic = True
     default_for = "cuda"  # the machine's default backend where CUDA is available
     dims = contract.PRODUCTION_DIMS
-    tiles = dict(bwd_plan.TILES)
+    tiles = {**bwd_plan.TILES, "topk_block": TOPK_BY_HEADS}
     # B, S, Skv, H and L are runtime sizes; a compiled variant depends only on these
     compile_keys = ("Dqk", "Dv", "sink_given", "topk_given", CompileKey("head_group", "H", bwd_plan.head_group_for))
 
@@ -89,8 +92,7 @@ class TileLangModelBackend(BackendBase):
     device = "cpu"
     deterministic = True
     dims = None  # the algorithm takes any (Dqk, Dv); the GPU kernel is built for contract.PRODUCTION_DIMS
-    tiles = {"head_group": bwd_plan.HEAD_GROUPS[0], "query_chunk": MODEL_QUERY_CHUNK,
-             "topk_block": min(bwd_plan.TOPK_BLOCKS.values())}
+    tiles = {"head_group": bwd_plan.HEAD_GROUPS[0], "query_chunk": MODEL_QUERY_CHUNK, "topk_block": TOPK_BY_HEADS}
 
     def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
         check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length)

@@ -276,17 +276,18 @@ def precompile() -> list[str]:
     return out
 
 
-def _prep(q, kv, out, grad_out, lse, attn_sink, sm_scale, d_v):
+def _prep(q, kv, out, grad_out, lse, attn_sink, indices, tl, sm_scale, d_v):
     """Delta [B, S, H] and the fixed point (2**F as a float32 tensor, F) on the device, without a host sync.
 
     ``bwd_prep`` computes Delta and each query row's term of ``backward_model.dkv_bound``'s bound in one pass over q,
-    out and dO; Vmax (over the KV rows), each row's slot mass (``bwd_plan.slot_mass``) and the sum over
-    query rows are torch reductions on fixed shapes.
+    out and dO; Vmax (over the KV rows some valid slot names), each row's slot mass (``bwd_plan.slot_mass``) and the
+    sum over query rows are torch reductions on fixed shapes.
     """
     B, S, H, Dqk = q.shape
     kvf = kv[..., :d_v].float()
     vnorm = kvf.mul(kvf).sum(-1).sqrt()
-    vmax = torch.where(torch.isfinite(vnorm), vnorm, torch.zeros_like(vnorm)).amax().reshape(1)
+    named = bwd_plan.referenced_rows(indices, tl, kv.shape[1]) & torch.isfinite(vnorm)
+    vmax = torch.where(named, vnorm, torch.zeros_like(vnorm)).amax().reshape(1)
     delta = torch.empty((B, S, H), dtype=torch.float32, device=q.device)
     rows = torch.empty((B, S), dtype=torch.float32, device=q.device)
     mass = bwd_plan.slot_mass(lse, attn_sink).contiguous()
@@ -320,7 +321,7 @@ def sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
             tl = torch.full((dims.B, dims.S), dims.L, dtype=torch.int32, device=dev)
         else:
             tl = topk_length.contiguous()
-        delta, fx, F = _prep(q, kv, out, grad_out, lse, attn_sink, sm_scale, dims.Dv)
+        delta, fx, F = _prep(q, kv, out, grad_out, lse, attn_sink, indices, tl, sm_scale, dims.Dv)
         lse2 = contract.lse_to_base2(lse, attn_sink).contiguous()
         acc = torch.zeros((dims.B, dims.Skv, dims.Dqk), dtype=torch.int64, device=dev)
         dq = torch.empty((dims.B, dims.S, dims.H, dims.Dqk), dtype=torch.bfloat16, device=dev)

@@ -27,18 +27,18 @@ def _f32(x):
     return np.asarray(x, dtype=np.float32)
 
 
-def dkv_bound(q, kv, grad_out, sm_scale, d_v, mass) -> float:
+def dkv_bound(q, kv, grad_out, sm_scale, d_v, mass, referenced) -> float:
     """G: a bound on |any partial sum of dkv| from cheap maxima (fp32, as the kernel's host code computes it).
 
     Per (query, head): sum_t P_t = m (``bwd_plan.slot_mass``, 1 without a sink) and sum_t |dS_t| <= 2 m |dO| Vmax,
     so a query adds at most m (sm_scale * DS_BOUND_FACTOR * |dO|_2 * Vmax * max|q| + max|dO|) to any element of
-    any row. Vmax is the largest finite ||kv[:Dv]|| (non-finite rows are never used by a correct call or make the
-    result garbage anyway).
+    any row. Vmax is the largest finite ||kv[:Dv]|| over the ``referenced`` rows (``bwd_plan.referenced_rows``):
+    what a row no slot names holds changes nothing; a non-finite row makes the result garbage anyway.
     """
     q, kv, go = _f32(q), _f32(kv), _f32(grad_out)
     with np.errstate(over="ignore", invalid="ignore"):
         vnorm = np.sqrt((kv[..., :d_v] * kv[..., :d_v]).sum(-1, dtype=np.float32))
-    vnorm = np.where(np.isfinite(vnorm), vnorm, np.float32(0))
+    vnorm = np.where(np.isfinite(vnorm) & referenced, vnorm, np.float32(0))
     vmax = np.float32(vnorm.max())
     qmax = np.abs(q).max(-1)
     gnorm = np.sqrt((go * go).sum(-1, dtype=np.float32))
@@ -75,7 +75,8 @@ def model_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, t
     delta = (_f32(out) * gof).sum(-1, dtype=np.float32)  # [B, S, H]
     lse2 = contract.lse_to_base2(_f32(lse), None if sink is None else _f32(sink))
     mass = bwd_plan.slot_mass(_f32(lse), None if sink is None else _f32(sink))
-    F = bwd_plan.fixed_point_exponent(dkv_bound(qf, kvf, gof, sm_scale, Dv, mass))
+    referenced = bwd_plan.referenced_rows(idx, tl, Skv)
+    F = bwd_plan.fixed_point_exponent(dkv_bound(qf, kvf, gof, sm_scale, Dv, mass, referenced))
     to_fixed = np.float32(2.0**F)
     c_log2 = np.float32(sm_scale * contract.LOG2E)
     scale = np.float32(sm_scale)

@@ -206,6 +206,25 @@ def slot_mass(lse, attn_sink):
     return xp.where(xp.isnan(m), xp.ones_like(m), m)
 
 
+def referenced_rows(indices, topk_length, s_kv: int):
+    """[B, Skv] bool: the KV rows some valid slot names (the contract's rule), a NumPy array or a torch tensor like
+    ``indices``, without a host sync. The fixed point's bound takes its Vmax over these rows only: a row no slot
+    names must change no bit of the result, however large the garbage it holds."""
+    xp = contract._namespace(indices)
+    valid = contract.valid_mask(indices, s_kv, topk_length)
+    B = indices.shape[0]
+    if xp is np:
+        base = (np.arange(B, dtype=np.int64) * s_kv)[:, None, None]
+        flat = np.where(valid, np.asarray(indices, dtype=np.int64) + base, B * s_kv).reshape(-1)
+        mask = np.zeros(B * s_kv + 1, dtype=bool)
+        mask[flat] = True
+    else:
+        base = (xp.arange(B, dtype=indices.dtype, device=indices.device) * s_kv).view(B, 1, 1)
+        flat = xp.where(valid, indices + base, B * s_kv).reshape(-1).long()
+        mask = xp.zeros(B * s_kv + 1, dtype=xp.bool, device=indices.device).scatter_(0, flat, True)
+    return mask[:-1].reshape(B, s_kv)
+
+
 def fixed_point_exponent(bound: float) -> int:
     """F such that a dkv whose every partial sum is at most ``bound`` in magnitude fits int64 at 2**-F.
 

@@ -30,6 +30,7 @@ _PUBLIC = {
     "MissingDependency": "backends",
     "get_backend": "backends",
     "BackendSpec": "backends",
+    "ByHeads": "backends",
     "forward": "oracle",
     "backward": "oracle",
 }

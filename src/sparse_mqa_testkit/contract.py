@@ -18,14 +18,16 @@ Shapes
 Validity (the invalid-index rule)
     Slot t of row (b, i) is valid iff ``0 <= indices[b, i, t] < Skv`` and (no topk_length or
     ``t < topk_length[b, i]``). Every other value (-1, Skv, -2**31, 2**31-1, ...) is invalid and is never read.
-    Duplicate indices count once per slot.
+    Duplicate indices count once per slot. A topk_length <= 0 makes the row empty; one > L limits nothing.
 
 Forward, per row (b, i) and head h
     s_t   = sm_scale * <q, kv[idx_t]>                   (valid t only)
     lse   = ln sum_valid exp(s_t)                         (+inf for an empty row)
     P_t   = exp(s_t - logaddexp(lse, sink))               (sink None means -inf)
     out   = sum_t P_t V[idx_t]
-    Sink +inf gives out = 0; an empty row (no valid slot) gives out = 0, lse = +inf and no gradient.
+    Sink +inf gives out = 0; an empty row (no valid slot) gives out = 0, lse = +inf and no gradient. Every finite
+    sink is a finite sink, up to float32's largest: one of 3e38 takes all the mass (p_sink = 1, in float32 too),
+    one of -3e38 none; neither is +-inf, and nothing may turn NaN on the way (sink * log2(e) overflows float32).
     lse = +inf (not -inf) for empty rows is deliberate: exp(s - lse) is then 0 and the backward needs no branch.
     A backward also takes -inf as an empty row's lse (the log of zero mass, cuDNN frontend's generic
     convention) and treats it exactly as +inf: zero gradients from the row and nothing to d_sink.
@@ -371,7 +373,8 @@ def lse_to_base2(lse, attn_sink=None):
     """Contract LSE (natural log, sink excluded, [B, S, H]) -> kernel LSE: log2(sum exp(s) + exp(sink)).
 
     In the inputs' dtype (NumPy or torch). An empty row (lse = +inf, or -inf) becomes +inf, so
-    exp2(s * log2e - lse2) is 0 in the kernel too; so does a row whose sink is +inf.
+    exp2(s * log2e - lse2) is 0 in the kernel too; so does a row whose sink is +inf, or a finite sink past
+    float32's range in base 2 (3e38 * log2(e) overflows to +inf: the sink holds all the mass either way).
     """
     xp = _namespace(lse)
     if xp is np:
@@ -381,7 +384,8 @@ def lse_to_base2(lse, attn_sink=None):
         with np.errstate(invalid="ignore"):
             folded = xp.logaddexp(lse, attn_sink)
         lse = xp.where(xp.isposinf(lse) | xp.isposinf(attn_sink), math.inf, folded)
-    return lse * LOG2E
+    with np.errstate(over="ignore"):
+        return lse * LOG2E
 
 
 def lse_from_base2(lse2, attn_sink=None):

@@ -97,6 +97,24 @@ def test_nan_in_unreferenced_kv_rows_never_reaches_results():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("garbage", [1e30, 3e38, -2e38])
+def test_finite_garbage_in_unreferenced_kv_rows_changes_no_bit(garbage):
+    """A paged cache's unused rows hold anything: the fixed point's scale takes its Vmax over the rows some valid
+    slot names, so neither the bits nor the precision of dkv depend on the rest (found by a peaky case: one dkv
+    element moved by its last bit when unreferenced rows were set to NaN)."""
+    case = Case(B=2, S=2, Skv=22, H=5, L=31, sm_scale=0.07216878364870323, invalid="empty_rows", pattern="disjoint",
+                magnitude="peaky", seed=3)
+    x, t = _inputs(case)
+    ref = _run(t, case)
+    unused = ~bwd_plan.referenced_rows(t["indices"].numpy(), None, case.Skv)
+    assert unused.any()
+    for value in (garbage, float("nan")):
+        t["kv"][torch.from_numpy(unused)] = value
+        got = _run(t, case)
+        for a, b in zip(ref, got):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
 @pytest.mark.parametrize("span", [0, 20, 40])
 def test_fixed_point_sum_vs_float32_on_adversarial_magnitudes(span):
     """One row fed by contributions whose magnitudes span 2**span, bounded as the kernel bounds them.

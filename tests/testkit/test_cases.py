@@ -230,7 +230,8 @@ def test_case_rejects_bad_fields(fields, pattern):
 
 
 def test_modes_are_the_documented_ones():
-    assert SINK_MODES == ("none", "finite", "neg_inf", "pos_inf", "mixed")
-    assert TOPK_MODES == ("none", "random")
-    assert set(INVALID_MODES) == {"none", "holes", "out_of_range", "tails", "empty_rows", "mixed"}
+    assert SINK_MODES == ("none", "finite", "neg_inf", "pos_inf", "mixed", "huge", "far")
+    assert TOPK_MODES == ("none", "random", "edges")
+    assert set(INVALID_MODES) == {"none", "holes", "out_of_range", "tails", "empty_rows", "mixed", "leading",
+                                  "middle"}
     assert ORDERS == ("random", "sorted")

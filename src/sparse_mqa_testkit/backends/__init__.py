@@ -10,8 +10,9 @@ from .registry import (
                        resolve_backend,
 )
 from .spec import BackendSpec
+from .tiles import ByHeads
 from .validate import check_backward_args, check_forward_args
 
-__all__ = ["Backend", "BackendBase", "BackendNotFound", "BackendSpec", "ENTRY_POINT_GROUP", "MissingDependency",
-           "available_backends", "check_backward_args", "check_forward_args", "default_backend_name",
-           "get_backend", "resolve_backend"]
+__all__ = ["Backend", "BackendBase", "BackendNotFound", "BackendSpec", "ByHeads", "ENTRY_POINT_GROUP",
+           "MissingDependency", "available_backends", "check_backward_args", "check_forward_args",
+           "default_backend_name", "get_backend", "resolve_backend"]

@@ -58,6 +58,8 @@ def draw_indices(case, draws):
         idx[..., -1] = idx[..., 0]
     if case.order == "sorted":
         idx = draws.sort(idx)
+    if case.invalid in ("leading", "middle"):
+        return draws.int32(_invalid_tile(case, idx, draws))
     mode = case.invalid
     invalid = {k: draws.array(v) for k, v in contract.invalid_values(Skv).items()}
     if mode == "mixed":
@@ -81,6 +83,29 @@ def draw_indices(case, draws):
     return draws.int32(idx)
 
 
+def tile_run(case) -> tuple[int, int]:
+    """[start, stop) of the slots the ``leading`` / ``middle`` modes make invalid: one top-k tile (the case's, else
+    the largest of 16, 32, 64 below L, else half of L), the row's first, or its second when the row has slots past
+    it (else a run in the middle of a short row)."""
+    L = case.L
+    tile = case.topk_tile or max([t for t in (16, 32, 64) if t < L] or [max(1, L // 2)])
+    if case.invalid == "leading":
+        start = 0
+    else:
+        start = tile if L > 2 * tile else max(1, (L - tile) // 2)
+    return start, min(L, start + tile)
+
+
+def _invalid_tile(case, idx, draws):
+    """Every row's ``tile_run`` slots invalid, with -1, Skv and out-of-range values mixed."""
+    xp = draws.xp
+    start, stop = tile_run(case)
+    bad = draws.array(sorted(set(contract.invalid_values(case.Skv)["out_of_range"]) | {-1}))
+    pick = bad[draws.integers(0, len(bad), idx.shape)]
+    t = draws.arange(case.L)
+    return xp.where((t >= start) & (t < stop), pick, idx)
+
+
 def pattern_indices(case, idx, draws):
     """The ``local`` or ``hot`` pattern from a random draw ``idx`` [B, S, L] and ``draws`` (``NumpyDraws`` or
     ``tensors.TorchDraws``): uniforms [B, S, L] for the far picks, then the hot rows [B, HOT_ROWS].
@@ -88,13 +113,18 @@ def pattern_indices(case, idx, draws):
     local: query i sits at cache position p = (i + 1) Skv / S - 1 (causal); its first 3/4 of the slots are the
     window p, p - 1, ... and the rest far picks uniform in [0, p - window], before the window; a row that sees
     fewer keys than that has -1 in the rest, as an indexer's top-k pads it. hot: the first min(HOT_ROWS, L / 2)
-    slots of every row name the same hot rows. Without ``duplicates`` a slot repeating an earlier one of its
-    row becomes -1 (an indexer never names a row twice).
+    slots of every row name the same hot rows. disjoint: query i names rows i L to (i + 1) L - 1 modulo Skv, so
+    neighbours share none while Skv >= 2 L. Without ``duplicates`` a slot repeating an earlier one of its row
+    becomes -1 (an indexer never names a row twice).
     """
     xp = draws.xp
     B, S, L, Skv = case.B, case.S, case.L, case.Skv
     u, hot = draws.random((B, S, L)), draws.integers(0, Skv, (B, HOT_ROWS))
-    if case.pattern == "hot":
+    if case.pattern == "disjoint":  # query i: rows i L ... (i + 1) L - 1 (mod Skv), rotated by a random start
+        turn = draws.integers(0, L, (B, S, 1))
+        t = draws.arange(L)
+        out = (draws.arange(S)[None, :, None] * L + (t + turn) % L) % Skv
+    elif case.pattern == "hot":
         n = min(HOT_ROWS, max(1, L // 2))
         head = hot[:, None, :n] + xp.zeros_like(idx[..., :n])
         out = xp.concatenate([head, idx[..., n:]], -1) if n < L else head

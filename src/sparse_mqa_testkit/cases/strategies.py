@@ -17,14 +17,26 @@ from hypothesis import strategies as st
 
 from .. import contract
 from ..backends.spec import BackendSpec
-from .case import EMPTY_LSE_MODES, INVALID_MODES, MAGNITUDES, ORDERS, PATTERNS, SINK_MODES, TOPK_MODES, Case
+from ..backends.tiles import tile_at, tile_ranges
+from ..oracle.bf16 import round_bf16
+from .case import (
+    COMMON_TILES,
+    EMPTY_LSE_MODES,
+    INVALID_MODES,
+    MAGNITUDES,
+    ORDERS,
+    PATTERNS,
+    SINK_MODES,
+    TOPK_MODES,
+    WIDE_TILE,
+    Case,
+)
 
 # Small dims keep CPU runs fast; production dims are added when the backend asks for them.
 SMALL_DIMS = ((16, 8), (8, 8), (24, 16), (5, 3), (1, 1))
-
-
-# Tile sizes kernels commonly use: where a backend declares no tile, sizes near these are drawn instead.
-COMMON_TILES = (16, 32, 64, 128)
+# sm_scale for peaky logits when the drawn one is exact in bf16: DeepSeek's 1/sqrt(192), which is not, so a kernel
+# that rounds sm_scale to bf16 is off by up to 2^-9 of logits of a few hundred
+INEXACT_SCALE = 1.0 / 192 ** 0.5
 
 
 def _tiles(tile) -> tuple[int, ...]:
@@ -66,15 +78,47 @@ def _size(limit: int, tile, floor: int = 1, reach: int | None = None) -> st.Sear
     return choices
 
 
+def ranged(label: str, tiles: dict, key: str, H: int) -> str:
+    """``label``, naming the head range when the declared size of tile ``key`` depends on H (the class is then
+    one per size: ``"L on tile [H 1-16: 32]"``)."""
+    ranges = tile_ranges(tiles, key)
+    if len(ranges) < 2:
+        return label
+    lo, hi, t = next(r for r in ranges if r[0] <= H and (r[1] is None or H <= r[1]))
+    return f"{label} [H {lo}-{hi if hi is not None else ''}: {t}]"
+
+
+def tile_label(name: str, where: str, tiles: dict, key: str, H: int) -> str:
+    """``"L on tile"`` (with the head range where the tile depends on H)."""
+    return ranged(f"{name} {where} tile", tiles, key, H)
+
+
+def topk_tile_edges(case: Case) -> tuple[int, ...]:
+    """The lengths of ``case.edge_lengths()`` one below, on or above a top-k tile (not the -3..1 and 511-513)."""
+    tiles = (case.topk_tile,) if case.topk_tile else COMMON_TILES
+    return tuple(v for v in case.edge_lengths() if any(abs(v - t) <= 1 for t in tiles) and v > 1)
+
+
 def case_events(case: Case, tiles: dict | None = None) -> list[str]:
     """The boundary classes a case covers, as the labels the strategies report with ``hypothesis.event``."""
     tiles = tiles or {}
-    out = [f"{name} {boundary_class(size, tiles.get(key))} tile"
+    out = [tile_label(name, boundary_class(size, tile_at(tiles, key, case.H)), tiles, key, case.H)
            for name, size, key in (("H", case.H, "head_group"), ("S", case.S, "query_chunk"),
                                    ("L", case.L, "topk_block"))]
     if case.H < 16:
         out.append("H < 16")
     out += [f"dims {case.Dqk}/{case.Dv}", f"sink {case.sink}", f"topk {case.topk}", f"invalid {case.invalid}"]
+    if case.invalid in ("leading", "middle"):  # one class per top-k tile the kernel has
+        out[-1] = ranged(out[-1], tiles, "topk_block", case.H)
+    if case.topk == "edges":
+        out.append("topk length <= 0")
+        if topk_tile_edges(case):
+            out.append(ranged("topk length at tile edge", tiles, "topk_block", case.H))
+        if case.L + 1 >= WIDE_TILE + 1:
+            out.append("topk length 511-513")
+    hg = tile_at(tiles, "head_group", case.H)
+    if case.pattern == "disjoint" and hg and hg > case.H and case.S > 1:
+        out.append("query tile")
     if case.duplicates:
         out.append("duplicates")
     if case.empty_lse == "neg_inf":
@@ -96,7 +140,7 @@ def _emit(case: Case, tiles: dict | None) -> Case:
 @st.composite
 def cases(draw, *, dims=None, tiles: dict | None = None, max_b: int = 2, max_s: int = 24, max_skv: int = 48,
           max_h: int = 20, max_l: int = 40, sink_modes=SINK_MODES, topk_modes=TOPK_MODES,
-          invalid_modes=INVALID_MODES, max_work: int | None = None, pool=None) -> Case:
+          invalid_modes=INVALID_MODES, magnitudes=MAGNITUDES, max_work: int | None = None, pool=None) -> Case:
     """Draw a ``Case``.
 
     dims: (Dqk, Dv) pairs to choose from (default: small CPU sizes). tiles: the backend's declared
@@ -106,7 +150,6 @@ def cases(draw, *, dims=None, tiles: dict | None = None, max_b: int = 2, max_s: 
     ``compile_keys.Pool``; its entry, drawn first, fixes the fields a backend's kernels compile on.
     """
     tiles = dict(tiles or {})
-    hg, qc, tb = tiles.get("head_group"), tiles.get("query_chunk"), tiles.get("topk_block")
     fixed = draw(st.sampled_from(pool.entries)) if pool else {}
 
     def pick(field, strategy):
@@ -122,30 +165,44 @@ def cases(draw, *, dims=None, tiles: dict | None = None, max_b: int = 2, max_s: 
             used *= x
         return max(1, work // used)
 
+    hg = tiles.get("head_group")  # a head group cannot depend on H; the other tiles may (ByHeads)
     if "H" in fixed or "L" in fixed:  # the kernel sizes are the pool's: S gets what the work cap leaves
         h = pick("H", st.one_of(st.integers(1, min(15, max_h)), _size(max_h, hg)))
-        l_ = pick("L", _size(min(max_l, room(h)), tb, reach=room(h)))
-        s = pick("S", _size(min(max_s, room(h, l_)), qc, reach=room(h, l_)))
+        l_ = pick("L", _size(min(max_l, room(h)), tile_at(tiles, "topk_block", h), reach=room(h)))
+        s = pick("S", _size(min(max_s, room(h, l_)), tile_at(tiles, "query_chunk", h), reach=room(h, l_)))
     else:
-        s = pick("S", _size(min(max_s, room()), qc, reach=room()))
+        s = pick("S", _size(min(max_s, room()), tile_at(tiles, "query_chunk", 1), reach=room()))
         h_cap = min(max_h, room(s))
         h = draw(st.one_of(st.integers(1, min(15, h_cap)), _size(h_cap, hg, reach=room(s))))
-        l_ = draw(_size(min(max_l, room(s, h)), tb, reach=room(s, h)))
+        l_ = draw(_size(min(max_l, room(s, h)), tile_at(tiles, "topk_block", h), reach=room(s, h)))
     skv = pick("Skv", st.integers(1, max_skv))
     case = Case(
         B=b, S=s, Skv=skv, H=h, L=l_, Dqk=dqk, Dv=dv,
-        sm_scale=draw(st.sampled_from([None, 0.5, 1.0 / 192**0.5])),
+        sm_scale=pick("sm_scale", st.sampled_from([None, 0.5, INEXACT_SCALE])),
         sink=pick("sink", st.sampled_from(tuple(sink_modes))),
         topk=pick("topk", st.sampled_from(tuple(topk_modes))),
-        invalid=draw(st.sampled_from(tuple(invalid_modes))),
-        duplicates=draw(st.booleans()),
-        order=draw(st.sampled_from(ORDERS)),
-        empty_lse=draw(st.sampled_from(EMPTY_LSE_MODES)),
-        pattern=draw(st.sampled_from(PATTERNS)),
-        magnitude=draw(st.sampled_from(MAGNITUDES)),
+        invalid=pick("invalid", st.sampled_from(tuple(invalid_modes))),
+        duplicates=pick("duplicates", st.booleans()),
+        order=pick("order", st.sampled_from(ORDERS)),
+        empty_lse=pick("empty_lse", st.sampled_from(EMPTY_LSE_MODES)),
+        pattern=pick("pattern", st.sampled_from(PATTERNS)),
+        magnitude=pick("magnitude", st.sampled_from(tuple(magnitudes))),
+        topk_tile=tile_at(tiles, "topk_block", h) or 0,
         seed=draw(st.integers(0, 2**32 - 1)),
     )
-    return _emit(case, tiles)
+    return _emit(peaky_scale(case), tiles)
+
+
+def bf16_exact(x: float) -> bool:
+    return float(round_bf16(x).astype("float32")) == x
+
+
+def peaky_scale(case: Case) -> Case:
+    """A peaky case with an sm_scale exact in bf16 takes ``INEXACT_SCALE`` instead: at logits of a few hundred,
+    a kernel that rounds sm_scale to bf16 must show it."""
+    if case.magnitude == "peaky" and bf16_exact(case.scale):
+        return case.replace(sm_scale=INEXACT_SCALE)
+    return case
 
 
 # ---- drawing for a backend ------------------------------------------------------------------------------------

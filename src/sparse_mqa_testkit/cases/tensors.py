@@ -80,8 +80,9 @@ def large_case_tensors(case, device) -> dict:
     spread = torch.from_numpy(np.exp2(case.spread_exponents())).float().to(device)
     t = {"q": draws.normal_bf16((B, S, H, case.Dqk)), "kv": draws.normal_bf16((B, Skv, case.Dqk)),
          "grad_out": draws.normal_bf16((B, S, H, case.Dv), scale=spread), "indices": draw_indices(case, draws)}
+    if case.q_bits():
+        t["q"].mul_(2.0 ** case.q_bits())  # a power of two: exact in bf16
     rng = np.random.default_rng(case.seed)
-    t["topk_length"] = None if case.topk == "none" else \
-        to_torch(rng.integers(0, case.L + 3, size=(B, S)).astype(np.int32), device)
-    t["attn_sink"] = to_torch(case._sink(rng), device)
+    t["topk_length"] = to_torch(case.topk_lengths(rng), device)
+    t["attn_sink"] = to_torch(case.sinks(rng), device)
     return {**t, "sm_scale": case.scale, "d_v": case.Dv}

@@ -20,6 +20,7 @@ from hypothesis import target
 from hypothesis.control import currently_in_test_context
 
 from ..cases import Case
+from ..cases.coverage import effective_events
 from ..cases.strategies import case_events
 from ..checks.registry import get_check
 from ..checks.result import FAILED_RATIO, finite_ratio, repro_command
@@ -37,11 +38,12 @@ def measured(ratio) -> float | None:
 
 
 def merge_coverage(into: dict, labels: dict) -> dict:
-    """Add ``labels`` (label -> {"n", "max_ratio", "failed"}) into ``into``: counts add, worst ratios take the
-    max (None: no measured case yet)."""
+    """Add ``labels`` (label -> {"n", "effective", "max_ratio", "failed"}) into ``into``: counts add, worst ratios
+    take the max (None: no measured case yet). effective: the cases that make the class's boundary matter."""
     for label, v in labels.items():
-        slot = into.setdefault(label, {"n": 0, "max_ratio": None, "failed": 0})
+        slot = into.setdefault(label, {"n": 0, "effective": 0, "max_ratio": None, "failed": 0})
         slot["n"] += v["n"]
+        slot["effective"] = slot.get("effective", 0) + v.get("effective", v["n"])
         slot["failed"] = slot.get("failed", 0) + v.get("failed", 0)
         if v["max_ratio"] is not None:
             slot["max_ratio"] = max(slot["max_ratio"] or 0.0, v["max_ratio"])
@@ -67,14 +69,16 @@ class Recorder:
     coverage: dict = field(default_factory=dict)  # label -> {"n", "max_ratio", "failed"}
     failure: dict | None = None
     unreachable: dict = field(default_factory=dict)  # class label -> why the backend's domain has no case in it
+    rejected: list = field(default_factory=list)  # explicit merges left out because they cancelled a boundary
     say: Callable[[str], None] | None = field(default=None, repr=False)  # where progress lines go
 
     def add_case(self, case: Case, ratio: float | None = None, failed: bool = False) -> None:
         self.cases += 1
         _progress(self)
         r = None if ratio is None else finite_ratio(ratio)
-        merge_coverage(self.coverage, {label: {"n": 1, "max_ratio": r, "failed": int(failed)}
-                                       for label in case_events(case, self.tiles)})
+        bites = effective_events(case, self.tiles)
+        merge_coverage(self.coverage, {label: {"n": 1, "effective": int(label in bites), "max_ratio": r,
+                                               "failed": int(failed)} for label in case_events(case, self.tiles)})
 
     def add(self, result) -> None:
         ratio = measured(result.ratio)
@@ -89,8 +93,9 @@ class Recorder:
                             "highest_ratio": self.worst.get("ratio")}
 
     def data(self) -> dict:
-        return {k: getattr(self, k) for k in ("check", "backend", "tiles", "cases", "failed", "worst", "coverage",
-                                               "failure", "unreachable")}
+        data = {k: getattr(self, k) for k in ("check", "backend", "cases", "failed", "worst", "coverage", "failure",
+                                              "unreachable", "rejected")}
+        return {**data, "tiles": {k: v if isinstance(v, int) else repr(v) for k, v in self.tiles.items()}}
 
 
 def worst_rank(worst: dict) -> tuple:

@@ -73,6 +73,7 @@ def merged(rows: list[dict]) -> list[dict]:
             m.update(outcome=r["outcome"], reason=r.get("reason", ""), failure=r.get("failure") or m.get("failure"))
         m["coverage"] = merge_coverage(dict(m.get("coverage") or {}), r.get("coverage") or {})
         m["unreachable"] = {**(m.get("unreachable") or {}), **(r.get("unreachable") or {})}
+        m["rejected"] = list(dict.fromkeys((m.get("rejected") or []) + (r.get("rejected") or [])))
     return list(out.values())
 
 
@@ -117,12 +118,22 @@ def format_table(rows: list[dict], timing: dict | None = None) -> str:
     for backend, labels in coverage(rows).items():
         if not labels:
             continue
-        lines += ["", f"boundary classes covered on {backend} (cases, worst ratio over its checks):"]
-        cells = [f"{k}: {v['n']}" + (f" ({v['max_ratio']:.2f})" if v["max_ratio"] is not None else "")
+        lines += ["", f"boundary classes covered on {backend} (cases that make the boundary matter / cases in the "
+                      "class, worst ratio over its checks):"]
+        cells = [f"{k}: {v.get('effective', v['n'])}/{v['n']}"
+                 + (f" ({v['max_ratio']:.2f})" if v["max_ratio"] is not None else "")
                  + (" FAIL" if v.get("failed") else "") for k, v in sorted(labels.items())]
         width = max(map(len, cells)) + 2
         for i in range(0, len(cells), 3):
             lines.append("  " + "".join(c.ljust(width) for c in cells[i:i + 3]).rstrip())
         for label, reason in sorted(unreachable.get(backend, {}).items()):
             lines.append(f"  not reachable in its domain: {label} ({reason})")
+        rejected = sorted({x for r in rows if r["backend"] == backend for x in r.get("rejected") or []})
+        if rejected:  # "<class> into example <n> (...): ..." -> per class, the examples it was kept out of
+            into: dict = {}
+            for x in rejected:
+                label, _, rest = x.partition(" into example ")
+                into.setdefault(label, []).append(rest.split(" ", 1)[0])
+            lines.append(f"  explicit merges left out because they would cancel a boundary ({len(rejected)}; the "
+                         "JSON lists each): " + "; ".join(f"{k} (examples {', '.join(v)})" for k, v in into.items()))
     return "\n".join(lines)

@@ -28,6 +28,7 @@ from ..cases.planning import compile_budget, plan_backend
 from ..checks.registry import CHECKS, get_check
 from ..harness.profiles import PROFILES, profile_name
 from ..harness.table import merged
+from . import isolate as isolation
 from . import sanitize as san
 from .nightly import run_nightly
 from .runner import run_suite
@@ -49,6 +50,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sanitize", nargs="?", const=",".join(TOOLS), metavar="TOOLS",
                     help="run the backend's explicit boundary cases (or --replay's case) under compute-sanitizer, one "
                          f"child process per tool (default {','.join(TOOLS)}); any finding fails")
+    ap.add_argument("--isolate", type=float, metavar="SECONDS",
+                    help="run the backend's explicit boundary cases (or --replay's case) one at a time in a child "
+                         "process, each within SECONDS (a hang fails its case, the run goes on): --check's check, "
+                         "else tolerance, forward_tolerance and guards")
     ap.add_argument("--list-backends", action="store_true",
                     help="list the backends this machine knows: name, origin, device, and whether each loads here")
     ap.add_argument("--allow-missing", action="store_true",
@@ -82,6 +87,8 @@ def main(argv=None) -> int:
     if args.precompile:
         return precompile(args.precompile, args.backend)
     backends = args.backend or [_default_backend()]
+    if args.isolate:
+        return isolate(backends, args.isolate, args.check, args.profile, args.replay)
     if args.sanitize:
         return sanitize(backends, args.sanitize, args.profile, args.replay)
     if args.replay:
@@ -192,6 +199,25 @@ def sanitize(backends, tools: str, profile, replay_expr=None) -> int:
             cases = list(plan_backend(backend, profile=prof, budget=compile_budget(None, prof)).boundaries.examples)
         status = san.run(name, cases, chosen)
         rc = 1 if 1 in (rc, status) else max(rc, status)
+    return rc
+
+
+def isolate(backends, seconds: float, check, profile, replay_expr=None) -> int:
+    """Each backend's explicit boundary cases (or one replayed case), one per child process in turn, each within
+    ``seconds``."""
+    checks = [check] if check else ["tolerance", "forward_tolerance", "guards"]
+    rc = 0
+    for name in backends:
+        if replay_expr:
+            case = _case(replay_expr)
+            if case is None:
+                return 2
+            cases = [case]
+        else:
+            prof = profile_name(profile)
+            spec = BackendSpec.of(get_backend(name))
+            cases = list(plan_backend(spec, profile=prof, budget=compile_budget(None, prof)).boundaries.examples)
+        rc = max(rc, isolation.run(name, cases, checks, timeout=seconds))
     return rc
 
 

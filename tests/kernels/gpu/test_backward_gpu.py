@@ -211,3 +211,23 @@ def test_prep_pass_matches_its_formulas(H, dims, sink):
     f = int(F.item())
     assert fx.item() == 2.0 ** f
     assert G * 2.0 ** f <= top * (1 + 1e-5) and G * 2.0 ** (f + 1) > top * (1 - 1e-5), (G, f)
+
+
+@pytest.mark.parametrize("garbage", [1e30, float("nan")])
+def test_garbage_in_unreferenced_kv_rows_changes_no_bit(garbage):
+    """The fixed point's scale comes from the KV rows valid slots name: unused rows of a paged cache holding huge
+    finite garbage (or NaN) change neither the bits nor the precision of dkv."""
+    case = Case(B=2, S=16, Skv=600, H=64, L=64, Dqk=576, Dv=512, sink="finite", invalid="holes", seed=31)
+    t = case_args(BACKEND, case)
+    args = lambda kv: (t["q"], kv, t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"],  # noqa: E731
+                       t["sm_scale"])
+    ref = BACKEND.backward(*args(t["kv"]))
+    from sparse_mqa_kernels import bwd_plan
+
+    unused = ~bwd_plan.referenced_rows(t["indices"], None, case.Skv)
+    assert bool(unused.any())
+    kv = t["kv"].clone()
+    kv[unused] = garbage
+    got = BACKEND.backward(*args(kv))
+    for name, a, b in zip(("dq", "dkv", "d_sink"), ref, got):
+        assert torch.equal(a, b), f"{name} changed with garbage {garbage} in rows no slot names"
