@@ -1,6 +1,8 @@
 """What the repo's tests share: CPU backends for testing the checks themselves (one plausible kernel emulation
 that must pass, deliberately broken backends with one bug each that a named check must catch, downstream
-module sources for subprocess runs), the oracle proof tests' helpers, and call and bitwise helpers.
+module sources for subprocess runs); for the execution checks a correct backend that computes on the device
+(``DeviceTorch``) and one planted bug per check; ``LiveBytes``, what torch code allocates; the oracle proof tests'
+helpers, and call and bitwise helpers.
 
 The emulation (``EmulatedKernel``) does in torch what a bf16 tensor-core kernel does: fp32 scores from bf16
 inputs, a base-2 LSE with the sink folded in, P and dS rounded to bf16 before their matmuls, Delta from the

@@ -230,14 +230,20 @@ def _on_cpu(monkeypatch, module):
 CASE = Case(B=2, S=4, Skv=12, H=3, L=6, Dqk=16, Dv=8, sink="finite", topk="random", seed=11)
 
 
+class OneIn7(OneIn257):
+    """The planted fault, sooner: the same logic in fewer CPU calls (the GPU test runs 257)."""
+
+    PERIOD = 7
+
+
 def test_repeats_finds_the_call_that_differs_and_stops_there():
-    spec = BackendSpec.of(OneIn257("cpu"))
-    problems, per_tensor, worst, made = repeats.repeated(spec, Expected(CASE), "backward", 300, 2.5)
-    assert made == 257 and worst == math.inf
-    assert len(problems) == 1 and problems[0].startswith("backward dkv: call 257 of 300 differs bitwise at 1 / ")
-    assert "first at index (0, 0, 0): call 257 " in problems[0] and problems[0].endswith("(backend claims determinism)")
-    fresh = BackendSpec.of(OneIn257("cpu"))
-    assert repeats.repeated(fresh, Expected(CASE), "backward", 256, 2.5)[0] == []  # 256 calls miss it
+    spec = BackendSpec.of(OneIn7("cpu"))
+    problems, per_tensor, worst, made = repeats.repeated(spec, Expected(CASE), "backward", 9, 2.5)
+    assert made == 7 and worst == math.inf
+    assert len(problems) == 1 and problems[0].startswith("backward dkv: call 7 of 9 differs bitwise at 1 / ")
+    assert "first at index (0, 0, 0): call 7 " in problems[0] and problems[0].endswith("(backend claims determinism)")
+    fresh = BackendSpec.of(OneIn7("cpu"))
+    assert repeats.repeated(fresh, Expected(CASE), "backward", 6, 2.5)[0] == []  # 6 calls miss it
 
 
 def test_repeats_judges_a_nondeterministic_backend_by_tolerance_on_every_call():
@@ -259,13 +265,14 @@ def test_repeats_judges_a_nondeterministic_backend_by_tolerance_on_every_call():
 
 def test_the_repeats_check_message_says_how_to_replay_it(monkeypatch):
     _on_cpu(monkeypatch, repeats)
-    res = repeats.check_repeats(OneIn257("cpu"), CASE, repeats=258)
-    assert not res.passed and "call 257 of 258" in res.message
-    assert "(made with 258 calls: replay with --repeats 258)" in res.message
-    assert res.notes["backward_calls"] == 257 and res.notes["repeats"] == 258
-    assert repeats.check_repeats(OneIn257("cpu"), CASE).passed  # 4 calls, the replay's default
+    res = repeats.check_repeats(OneIn7("cpu"), CASE, repeats=8)
+    assert not res.passed and "call 7 of 8" in res.message
+    assert "(made with 8 calls: replay with --repeats 8)" in res.message
+    assert res.notes["backward_calls"] == 7 and res.notes["repeats"] == 8
+    assert f'--check repeats --replay "{CASE.repro()}"' in res.message
+    assert repeats.check_repeats(OneIn7("cpu"), CASE).passed  # 4 calls, the replay's default
     with pytest.raises(ValueError, match="repeats must be an int >= 2, got 1"):
-        repeats.check_repeats(OneIn257("cpu"), CASE, repeats=1)
+        repeats.check_repeats(OneIn7("cpu"), CASE, repeats=1)
 
 
 def test_the_profile_sets_the_repeats_count_and_caps_drawn_execution_cases():

@@ -62,7 +62,7 @@ def check_guards(backend, case, *, k: float = K_DEFAULT, expected: Expected | No
                 kv = call["kv"].clone()
                 kv[unref.to(kv.device)] = math.nan
                 probs, pt, w = same("with unreferenced KV rows set to NaN",
-                                     snapshot(call.replace(kv=kv).results(spec.backend, which)), clean, spec, exp, k)
+                                    snapshot(call.replace(kv=kv).results(spec.backend, which)), clean, spec, exp, k)
                 problems += [f"{which} {p}" for p in probs]
                 per_tensor.update({f"poison.{n}": e for n, e in pt.items()})
                 worst = max(worst, w)

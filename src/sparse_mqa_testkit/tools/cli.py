@@ -87,12 +87,12 @@ def main(argv=None) -> int:
     backends = args.backend or [_default_backend()]
     if args.sanitize:
         return sanitize(backends, args.sanitize, args.profile, args.replay)
+    if args.repeats is not None and (args.check != "repeats" or not args.replay):
+        print("sparse-mqa-check: --repeats goes with --check repeats --replay", file=sys.stderr)
+        return 2
     if args.replay:
         if not args.check:
             print("sparse-mqa-check: --replay needs --check NAME", file=sys.stderr)
-            return 2
-        if args.repeats is not None and args.check != "repeats":
-            print("sparse-mqa-check: --repeats goes with --check repeats", file=sys.stderr)
             return 2
         return replay(backends[0], args.check, args.replay, args.repeats)
     if args.budget is not None:
