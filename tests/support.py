@@ -1,6 +1,8 @@
 """What the repo's tests share: CPU backends for testing the checks themselves (one plausible kernel emulation
 that must pass, deliberately broken backends with one bug each that a named check must catch, downstream
-module sources for subprocess runs), the oracle proof tests' helpers, and call and bitwise helpers.
+module sources for subprocess runs); for the execution checks a correct backend that computes on the device
+(``DeviceTorch``) and one planted bug per check; ``LiveBytes``, what torch code allocates; the oracle proof tests'
+helpers, and call and bitwise helpers.
 
 The emulation (``EmulatedKernel``) does in torch what a bf16 tensor-core kernel does: fp32 scores from bf16
 inputs, a base-2 LSE with the sink folded in, P and dS rounded to bf16 before their matmuls, Delta from the
@@ -12,10 +14,13 @@ model does not reject a legitimate kernel; the broken backends are the evidence 
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
 from hypothesis import example
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from sparse_mqa_testkit import contract, oracle
 from sparse_mqa_testkit.backends.base import BackendBase
@@ -516,9 +521,224 @@ BROKEN = {
     "mask_multiply": MaskMultiply,
 }
 
+# ---- CUDA backends for the execution checks ------------------------------------------------------------------
+# A correct one (DeviceTorch) that every execution check must pass, and one planted bug per check. The reference
+# backend cannot serve: it computes with NumPy on the host, so every call copies to the host (a sync) and back.
+
+def _gather_on_device(kv, indices, topk_length):
+    """valid [B,S,L], K [B,S,L,Dqk] float32 with exact zeros on invalid slots, safe indices (0 where invalid)."""
+    B, Skv = kv.shape[0], kv.shape[1]
+    valid = contract.valid_mask(indices, Skv, topk_length)
+    safe = torch.where(valid, indices.long(), 0)
+    K = kv.float()[torch.arange(B, device=kv.device)[:, None, None], safe]
+    return valid, torch.where(valid[..., None], K, 0.0), safe
+
+
+def _probabilities(qf, K, valid, sm_scale, attn_sink):
+    """P [B,S,H,L] and the row's own lse [B,S,H] (+inf when empty), from products summed in a fixed order."""
+    s = (qf[:, :, :, None, :] * K[:, :, None, :, :]).sum(-1) * sm_scale
+    s = torch.where(valid[:, :, None, :], s, -math.inf)
+    lse = torch.where(valid.any(-1)[:, :, None], torch.logsumexp(s, -1), math.inf)
+    denom = lse
+    if attn_sink is not None:
+        sink = attn_sink.float()
+        denom = torch.where(torch.isposinf(lse) | torch.isposinf(sink), math.inf, torch.logaddexp(lse, sink))
+    return torch.exp(s - denom[..., None]), lse
+
+
+FIXED_POINT_BITS = 60  # dkv's int64 sum: |any partial sum| <= sum |contributions| <= 2**60
+
+
+def _fixed_point_sum(contrib, rows, n_rows):
+    """sum of contrib [N, D] (float32) into n_rows rows by ``rows`` [N], in int64 at 2**-F from a bound on the
+    device: integer additions give the same bits in any order, atomics included."""
+    c = contrib.double()
+    G = c.abs().sum()
+    F = torch.clamp(FIXED_POINT_BITS - torch.ceil(torch.log2(G)), -120, 120)
+    F = torch.where(G == 0, 120.0, torch.where(torch.isfinite(G), F, 0.0))
+    acc = torch.zeros((n_rows, c.shape[1]), dtype=torch.int64, device=c.device)
+    acc.index_add_(0, rows, torch.round(c * torch.exp2(F)).to(torch.int64))
+    return acc.double() * torch.exp2(-F)
+
+
+class DeviceTorch(BackendBase):
+    """The contract in torch on the inputs' device, as a capturable kernel must be: float32 math from the kernel
+    dtypes, no host read of any data, every op on the current stream, nothing allocated beyond ``workspace_bytes``,
+    dkv summed in int64 fixed point, so bitwise deterministic. Its tensors are small ([B,S,H,L,Dqk] products): for
+    test cases, not production sizes."""
+
+    name = "device-torch"
+    deterministic = True
+
+    def __init__(self, device: str = "cuda"):
+        self.device = device
+
+    def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
+        check_forward_args(q, kv, indices, sm_scale, d_v, attn_sink=attn_sink, topk_length=topk_length)
+        valid, K, _ = _gather_on_device(kv, indices, topk_length)
+        P, lse = _probabilities(q.float(), K, valid, sm_scale, attn_sink)
+        out = (P[..., None] * K[:, :, None, :, :d_v]).sum(-2)
+        return out.to(torch.bfloat16), lse
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        dims = check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length)
+        valid, K, safe = _gather_on_device(kv, indices, topk_length)
+        qf, dO = q.float(), grad_out.float()
+        P, own_lse = _probabilities(qf, K, valid, sm_scale, attn_sink)  # recomputed: lse is not trusted
+        dP = (dO[:, :, :, None, :] * K[:, :, None, :, :dims.Dv]).sum(-1)
+        delta = (P * dP).sum(-1)
+        dS = P * (dP - delta[..., None])
+        dq = (dS[..., None] * K[:, :, None, :, :]).sum(-2) * sm_scale
+        contrib = (dS[..., None] * qf[:, :, :, None, :]).sum(2) * sm_scale
+        contrib[..., :dims.Dv] += (P[..., None] * dO[:, :, :, None, :]).sum(2)
+        contrib = torch.where(valid[..., None], contrib, 0.0)
+        rows = (safe + (torch.arange(dims.B, device=q.device) * dims.Skv)[:, None, None]).reshape(-1)
+        dkv = _fixed_point_sum(contrib.reshape(-1, dims.Dqk), rows, dims.B * dims.Skv)
+        d_sink = None
+        if attn_sink is not None:
+            d_sink = -(contract.sink_probability(own_lse, attn_sink.float()) * delta).sum((0, 1))
+        return dq.to(torch.bfloat16), dkv.reshape(dims.B, dims.Skv, dims.Dqk).to(torch.bfloat16), d_sink
+
+    def workspace_bytes(self, case, direction: str = "backward") -> int:
+        return device_torch_workspace(case.dims)
+
+
+def device_torch_workspace(dims) -> int:
+    """``DeviceTorch``'s declared workspace: twice the bound on what its code allocates (a CPU test holds it to
+    that bound), which leaves room for the reductions' device scratch, plus 1 MiB."""
+    return 2 * device_torch_host_bytes(dims) + (1 << 20)
+
+
+def device_torch_host_bytes(dims) -> int:
+    """A bound on what ``DeviceTorch``'s code asks torch for beside its outputs: one [B,S,H,L,Dqk] float32 product at
+    a time, a few [B,S,H,L] tensors (scores, P, dP, dS), the gathered rows and contributions (float32, float64,
+    int64), the fixed-point sum over the cache (int64, float64 twice), [B,S,H] rows, scalars."""
+    five = 4 * dims.B * dims.S * dims.H * dims.L * dims.Dqk
+    four = 4 * dims.B * dims.S * dims.H * dims.L
+    slots = dims.B * dims.S * dims.L
+    return (five + 8 * four + 40 * slots * dims.Dqk + 24 * dims.B * dims.Skv * dims.Dqk
+            + 64 * dims.B * dims.S * dims.H + 4096)
+
+
+class SyncsOnHost(DeviceTorch):
+    """Looks at a value on the host inside the call (``.item()``): a sync, an error under sync debug mode."""
+
+    name = "broken-item-sync"
+
+    def backward(self, q, *args, **kw):
+        if float(q.abs().amax().item()) > 3e38:  # a finiteness guard on the host
+            raise ValueError("q must be finite")
+        return super().backward(q, *args, **kw)
+
+
+class DefaultStreamFill(DeviceTorch):
+    """Zero-fills its dkv on ``torch.cuda.default_stream()`` and accumulates into it on the current stream (cuDNN
+    frontend PR #429): right while the current stream is the default one, all zero when the caller's is another."""
+
+    name = "broken-default-stream-fill"
+
+    def backward(self, *args, **kw):
+        dq, dkv, d_sink = super().backward(*args, **kw)
+        out = torch.empty_like(dkv)
+        with torch.cuda.stream(torch.cuda.default_stream(dkv.device)):
+            out.zero_()
+        out.add_(dkv)
+        return dq, out, d_sink
+
+
+class HostPlan(DeviceTorch):
+    """Plans on the host from topk_length once per buffer (a plan cache keyed by its address): the plan a capture
+    finds is the one made from the warm-up's values, and the replay keeps it when new lengths are copied in."""
+
+    name = "broken-host-plan"
+
+    def __init__(self, device: str = "cuda"):
+        super().__init__(device)
+        self.plans = {}
+
+    def backward(self, *args, topk_length=None, **kw):
+        if topk_length is not None:
+            key = (topk_length.data_ptr(), tuple(topk_length.shape))
+            if key not in self.plans:
+                self.plans[key] = torch.tensor(topk_length.tolist(), dtype=torch.int32, device=topk_length.device)
+            topk_length = self.plans[key]
+        return super().backward(*args, topk_length=topk_length, **kw)
+
+
+class ScratchPerCall(DeviceTorch):
+    """Takes a scratch buffer of its own per call, beyond the workspace it declares."""
+
+    name = "broken-scratch-per-call"
+    SCRATCH = 1 << 20
+
+    def backward(self, *args, **kw):
+        q = args[0]
+        dims = Call.bind("backward", *args, **kw).dims
+        scratch = torch.empty(device_torch_workspace(dims) + self.SCRATCH, dtype=torch.uint8, device=q.device)
+        res = super().backward(*args, **kw)
+        del scratch
+        return res
+
+
+class OneIn257(DeviceTorch):
+    """Every 257th backward call flips the last bit of one dkv element (a race that loses once in a few hundred
+    calls), counted from its construction so that a test knows which call it is."""
+
+    name = "broken-one-in-257"
+    PERIOD = 257
+
+    def __init__(self, device: str = "cuda"):
+        super().__init__(device)
+        self.calls = 0
+
+    def backward(self, *args, **kw):
+        dq, dkv, d_sink = super().backward(*args, **kw)
+        self.calls += 1
+        if self.calls % self.PERIOD == 0:
+            dkv.view(torch.int16).view(-1)[:1] ^= 1
+        return dq, dkv, d_sink
+
+
+# the execution check each planted bug must fail
+EXECUTION_BUGS = {"host_sync": SyncsOnHost, "streams": DefaultStreamFill, "graph": HostPlan,
+                  "allocations": ScratchPerCall, "repeats": OneIn257}
+
+
 # A second downstream module broken elsewhere (dkv doubled once the cache has 9 rows or more), for the tests of a
 # database two runners share: each must see the other's failure.
 DKV_DOUBLED_SOURCE = _doubled_source("broken-dkv", "dkv")
+
+
+# ---- what host code allocates ---------------------------------------------------------------------------------
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensors torch code creates inside the block (views and in-place results excluded), live and at
+    their peak, on any device: ``with LiveBytes() as m: ...; m.peak``. It sees every tensor the code asks torch for,
+    not the scratch a kernel takes internally (a CUDA reduction's staging, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.sizes = {}
+
+    def _freed(self, key) -> None:
+        self.live -= self.sizes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        given = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()  # one Python object per storage: it dies with the storage
+            key = storage._cdata
+            if key in given or key in self.sizes:
+                continue
+            self.sizes[key] = storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, key)
+        return out
 
 
 # ---- calling backends ------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ class TileLangBackend(BackendBase):
     device = "cuda"
     deterministic = True
     default_for = "cuda"  # the machine's default backend where CUDA is available
+    graph_safe = True  # no host reads of the data, every kernel on the current stream: the graph check holds it to it
     dims = contract.PRODUCTION_DIMS
     tiles = {**bwd_plan.TILES, "topk_block": TOPK_BY_HEADS}
     # B, S, Skv, H and L are runtime sizes; a compiled variant depends only on these
@@ -57,6 +58,15 @@ class TileLangBackend(BackendBase):
 
         return sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
                                    topk_length=topk_length)
+
+    def workspace_bytes(self, case, direction: str = "backward") -> int:
+        """Bytes a call holds beside its outputs: the forward none (its kernel writes out and lse in place; the
+        stand-ins for an absent sink or topk_length are made once per device), the backward
+        ``BwdPlan.workspace_bytes``."""
+        if direction == "forward":
+            return 0
+        plan = bwd_plan.make_plan(case.B, case.S, case.Skv, case.H, case.L, case.Dqk, case.Dv)
+        return plan.workspace_bytes(sink=case.sink != "none", topk_given=case.topk != "none")
 
     def warmup(self, cases=None) -> list[str]:
         """Compile (or load from TILELANG_CACHE_DIR) the kernel variants ``cases`` need, every variant without

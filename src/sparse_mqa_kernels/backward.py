@@ -55,7 +55,7 @@ from sparse_mqa_testkit import contract
 from sparse_mqa_testkit.backends.validate import check_backward_args
 
 from . import backward_ws, bwd_plan, bwd_prep
-from .target import TARGET
+from .target import EXECUTION_BACKEND, TARGET
 
 THREADS = {64: 256, 32: 128, 16: 128}  # single-role body, per head group
 STAGE_ROWS = 4  # single-role body: KV rows per staging round, double-buffered (the block shares its two buffers)
@@ -256,7 +256,8 @@ def compiled(key: bwd_plan.VariantKey):
         # (off unless asked for) must stay off: its liveness does not see the top-k loop's back edge and gave
         # the int64 staging q's memory (Dqk 512, 16-head groups: NaN dq from the second block on)
         configs = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
-    return tilelang.compile(build_program(key), out_idx=None, target=TARGET, pass_configs=configs)
+    return tilelang.compile(build_program(key), out_idx=None, target=TARGET, pass_configs=configs,
+                            execution_backend=EXECUTION_BACKEND)
 
 
 def kernel_source(key: bwd_plan.VariantKey) -> str:
@@ -301,6 +302,16 @@ def _prep(q, kv, out, grad_out, lse, attn_sink, indices, tl, sm_scale, d_v):
     return delta, torch.exp2(F).reshape(1).float(), F
 
 
+def dkv_from_fixed_point(acc, F):
+    """dkv (bf16) from the int64 accumulator at 2**-F, converted in ``acc``'s own bytes: each element is read
+    before it is written, the products are those of ``(acc.double() * 2**-F).to(bf16)`` bit for bit, and no
+    float64 copy (16 bytes per dkv element) is made. ``acc`` holds float64 afterwards."""
+    acc64 = acc.view(torch.float64)
+    acc64.copy_(acc)
+    acc64.mul_(torch.exp2(-F.double()))
+    return acc64.to(torch.bfloat16)
+
+
 def sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None,
                         config: bwd_plan.BackwardConfig = bwd_plan.BackwardConfig()):
     """Contract backward on the GPU: ``(dq bf16, dkv bf16, d_sink fp32 or None)``, bitwise deterministic.
@@ -332,7 +343,7 @@ def sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
             kernel(q, kv, grad_out, indices, tl, lse2, delta, rows, fx, dq, acc, sm_scale)
             if ps is not None:
                 partials.append((ps[:, chunk.start:chunk.stop] * delta[:, chunk.start:chunk.stop]).sum((0, 1)))
-        dkv = (acc.double() * torch.exp2(-F.double())).to(torch.bfloat16)
+        dkv = dkv_from_fixed_point(acc, F)
         d_sink = None
         if ps is not None:
             d_sink = -torch.stack(partials).sum(0)  # fixed order over chunks

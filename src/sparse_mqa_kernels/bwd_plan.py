@@ -12,9 +12,12 @@ top-k blocks
     padded slots t >= L are invalid: their index is never read, their KV row never gathered, their contribution never
     added.
 query chunks
-    Queries are launched ``query_chunk`` at a time so the per-chunk staging (Delta and the kernel LSE,
-    fp32 [B, chunk, H] each, plus one d_sink partial row per chunk) fits ``workspace_budget``; the int64
-    dkv accumulator [B, Skv, Dqk] is needed once whatever the chunking and is counted first.
+    Queries are launched ``query_chunk`` at a time: at most ``MAX_QUERY_CHUNK``, fewer when ``workspace_budget``,
+    after the int64 dkv accumulator [B, Skv, Dqk] (needed once whatever the chunking, counted first), leaves
+    room for fewer at ``staging_bytes_per_query`` plus one d_sink partial each. What a chunk holds of its own is
+    its row ids and, with a sink, its d_sink partial ([B, chunk, H] fp32 product and its reduction); Delta, the
+    kernel LSE and the sink probabilities are whole-call fp32 [B, S, H] tensors whatever the chunking (see
+    ``BwdPlan.workspace_bytes`` for everything a call holds beside its outputs).
 fixed point
     Every dkv contribution is rounded to an integer multiple of 2**-F and summed in int64, so the sum is
     exact and independent of order. F comes from a cheap bound G on any partial sum of dkv (see
@@ -36,6 +39,7 @@ HEAD_GROUPS = (16, 32, 64)
 TOPK_BLOCKS = {16: 32, 32: 16, 64: 16}
 TOPK_BLOCK = TOPK_BLOCKS[64]
 DEFAULT_WORKSPACE_BUDGET = 256 * 2**20  # bytes
+SCALAR_BYTES = 64 * 2**10  # workspace_bytes' allowance for 0-d tensors and reduction staging
 MAX_QUERY_CHUNK = 4096  # queries per launch: the anchor shape (S = 4096) is one launch
 ACC_BITS = 62  # int64 accumulator: magnitudes stay below 2**62, one bit short of the sign
 HEADROOM_BITS = 2  # covers bf16 rounding of P and dS, out vs recomputed P, and per-term rounding
@@ -152,11 +156,25 @@ class BwdPlan:
         return 8 * self.B * self.Skv * self.Dqk
 
     def chunk_bytes(self) -> int:
+        """What ``make_plan``'s budget counts per chunk."""
         return staging_bytes_per_query(self.B, self.H) * self.query_chunk + 4 * self.H
 
-    def workspace_bytes(self) -> int:
-        """Device memory the call allocates besides its outputs (all chunks share one staging buffer)."""
-        return self.accumulator_bytes() + self.chunk_bytes() + 4 * self.H * self.n_chunks + 8
+    def workspace_bytes(self, *, sink: bool, topk_given: bool) -> int:
+        """Bytes a call holds at once beside its outputs (torch's requested bytes, ``sparse_mqa_backward``), an
+        upper bound: the sum of what its phases hold, each at most
+
+        - 8 per dkv element: the int64 accumulator, converted to float64 in place at the end; before it exists,
+          the Vmax pass's float32 copy of V and its square (8 per V element, no more);
+        - 12 per KV row: that pass's row norms and their finite-masked copy;
+        - per (query, head), fp32: Delta and the kernel LSE for the whole call, and with a sink its probabilities,
+          a chunk's d_sink product and that reduction's scratch (2x): 6 rows; without a sink, the slot mass's
+          temporaries: 5;
+        - 4 per query: topk_length's stand-in when none is given, and 4 per query of a chunk for its row ids;
+        - 64 KiB: the 0-d scalars of the fixed point and the reductions' staging.
+        """
+        kv_rows, rows = self.B * self.Skv, self.B * self.S * self.H
+        return (self.accumulator_bytes() + 12 * kv_rows + 4 * rows * (6 if sink else 5)
+                + (0 if topk_given else 4 * self.B * self.S) + 4 * self.query_chunk + SCALAR_BYTES)
 
 
 def staging_bytes_per_query(B: int, H: int) -> int:

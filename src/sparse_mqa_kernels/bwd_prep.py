@@ -14,7 +14,7 @@ over (BENCHMARKS.md has both timings).
 
 import functools
 
-from .target import TARGET
+from .target import EXECUTION_BACKEND, TARGET
 
 HEADS_PER_STEP = 4  # rows per step; each of the 128 threads holds 4 columns of each (Dv 512)
 THREADS = 128
@@ -98,4 +98,5 @@ def build_program(dqk: int, dv: int):
 def compiled(dqk: int, dv: int):
     import tilelang
 
-    return tilelang.compile(build_program(dqk, dv), out_idx=None, target=TARGET)
+    return tilelang.compile(build_program(dqk, dv), out_idx=None, target=TARGET,
+                            execution_backend=EXECUTION_BACKEND)

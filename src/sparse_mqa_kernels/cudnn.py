@@ -15,6 +15,12 @@ What the adapter does, and why (read from the 1.32 sources of ``cudnn.DSA.Sparse
 - Dims: head_dim must be 512 or 576 and Dv is then 512; H >= 2 (an MQA kernel: it asserts H > 1).
   Global indices are int32, so B * Skv must stay below 2**31.
 - No deterministic mode on SM90 (dkv is accumulated with float atomics): ``deterministic = False``.
+- Execution (1.32 on SM90, read from its sources; the execution checks hold it to this on a GPU): the two memsets
+  and three kernels of a call go on torch's current stream (``resolve_stream`` of no stream), nothing is read back
+  to the host and ``topk_length`` is read on the device only, and ``execute`` allocates no tensor (its fp32
+  scratch is carved from the ``workspace`` we pass). So it declares itself capturable (``graph_safe``; cuDNN's own
+  suite captures only SM100) once each kernel key has run eagerly, and ``workspace_bytes`` is cuDNN's scratch plus
+  what this adapter allocates per call.
 - Plans: one ``SparseAttentionBackward`` per shape, cached here (the scale is passed per call, so it is not
   part of the key). On SM90 the CuTe kernels are JIT-compiled on the first execute of each (head dim, H, L,
   topk_length or not) and cached by cuDNN from then on: ``compile_keys`` says so to the suite, and ``warmup``
@@ -113,6 +119,27 @@ def from_cudnn_layout(dq, dkv, d_sink, dims: contract.Dims, attn_sink) -> tuple:
             None if attn_sink is None else d_sink)
 
 
+def _up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def scratch_workspace_bytes(dims: contract.Dims) -> int:
+    """cuDNN frontend 1.32's SM90 scratch for one call (``SparseAttentionBackward.scratch_workspace_bytes``, i.e.
+    ``flash_attn_bwd_sm90_workspace_size``): two fp32 [Sq, H] buffers (Delta, and the base-2 LSE with the sink
+    folded in) and the fp32 dKV accumulator [Skv, D], with Sq = B*S and Skv = B*Skv rounded up to 64 rows, D to
+    32 columns and each buffer to 128 bytes."""
+    sq, skv, d = _up(dims.B * dims.S, 64), _up(dims.B * dims.Skv, 64), _up(dims.Dqk, 32)
+    return 2 * _up(sq * dims.H * 4, 128) + _up(skv * d * 4, 128)
+
+
+def adapter_bytes(dims: contract.Dims, *, sink_given: bool) -> int:
+    """What ``CudnnBackend.backward`` allocates per call beside its outputs and cuDNN's scratch: with B > 1 the
+    global indices (int64 copies, the validity mask and the int32 result while they are made: 33 bytes per slot, and
+    B offsets), without a sink the -inf stand-in and the d_sink cuDNN writes that is dropped (8 bytes per head)."""
+    slots = dims.B * dims.S * dims.L
+    return (33 * slots + 8 * dims.B if dims.B > 1 else 0) + (0 if sink_given else 8 * dims.H)
+
+
 def plan_key(flat: dict) -> tuple:
     """What a cuDNN plan is specialised on: device, dtypes and shapes, and whether topk_length is given."""
     return (str(flat["q"].device), tuple(flat["q"].shape), tuple(flat["kv"].shape), tuple(flat["out"].shape),
@@ -126,6 +153,7 @@ class CudnnBackend(BackendBase):
     dims = CUDNN_DIMS
     tiles = {"head_group": 64, "topk_block": 64}  # SM90: 64-head MMA tiles, 64 gathered kv rows per block
     compile_keys = ("Dqk", "H", "L", "topk_given")  # what its CuTe kernels are JIT-compiled for
+    graph_safe = True  # after one eager call per kernel key (see the module docstring)
 
     def __init__(self):
         self._plans: dict = {}
@@ -144,6 +172,10 @@ class CudnnBackend(BackendBase):
 
     def supports(self, case) -> str | None:
         return unsupported_reason(case.dims)
+
+    def workspace_bytes(self, case, direction: str = "backward") -> int:
+        """cuDNN's scratch (the ``workspace`` each call allocates) plus the adapter's own temporaries."""
+        return scratch_workspace_bytes(case.dims) + adapter_bytes(case.dims, sink_given=case.sink != "none")
 
     def require(self) -> None:
         """Raise MissingDependency (naming the ``gpu`` extra) unless cudnn-frontend and the CUTLASS DSL import."""

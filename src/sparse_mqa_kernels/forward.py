@@ -26,7 +26,7 @@ from sparse_mqa_testkit import contract
 from sparse_mqa_testkit.backends.validate import check_forward_args
 
 from . import fwd_plan
-from .target import TARGET
+from .target import EXECUTION_BACKEND, TARGET
 
 _V_HALF = 256  # each consumer owns Dv / 2 = 256 output columns
 
@@ -265,7 +265,8 @@ def compiled(key: fwd_plan.VariantKey):
     """The compiled kernel of one variant (TileLang's disk cache under TILELANG_CACHE_DIR makes reloads cheap)."""
     import tilelang
 
-    return tilelang.compile(build_program(key), out_idx=None, target=TARGET, pass_configs=_pass_configs())
+    return tilelang.compile(build_program(key), out_idx=None, target=TARGET, pass_configs=_pass_configs(),
+                            execution_backend=EXECUTION_BACKEND)
 
 
 def kernel_source(key: fwd_plan.VariantKey) -> str:

@@ -29,6 +29,16 @@ def test_replay_passes_and_fails_with_the_message(broken, capsys):
     assert "tolerance check failed for backend 'broken'" in out and "dq: relative L2 error" in out
 
 
+def test_replay_of_a_check_that_does_not_apply_says_so(capsys):
+    assert cli.main(["--backend", "reference", "--check", "graph", "--replay", "Case(H=3, seed=1)"]) == 1
+    assert "SKIP: graph on backend reference: CUDA only: backend 'reference' runs on cpu" in capsys.readouterr().out
+    assert cli.main(["--backend", "reference", "--check", "repeats", "--repeats", "1000", "--replay", "Case()"]) == 1
+    assert "SKIP: repeats" in capsys.readouterr().out
+    for args in (["--check", "tolerance", "--repeats", "9", "--replay", "Case()"], ["--repeats", "9"]):
+        assert cli.main(["--backend", "reference", *args]) == 2
+        assert "--repeats goes with --check repeats --replay" in capsys.readouterr().err
+
+
 def test_replay_refuses_anything_but_a_case(capsys):
     assert cli.main(["--check", "tolerance", "--replay", "__import__('os')"]) == 2
     assert cli.main(["--replay", "Case()"]) == 2

@@ -2,6 +2,8 @@
 skip reasons on a CPU-only machine, the report header, and where the example database goes."""
 
 import json
+import re
+import sys
 
 import pytest
 
@@ -391,3 +393,81 @@ def test_the_scale_tier_runs_only_when_asked(downstream, monkeypatch):
     r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--pyargs", "sparse_mqa_testkit.property_tests",
                                        "--smqa-backend", "reference", "--smqa-scale", "-k", "test_scale or rejection")
     assert "[smqa] warm-up reference" in r.stdout.str() + r.stderr.str()
+
+
+UNCAPTURABLE = '''
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class Uncapturable(ReferenceBackend):
+    name = "uncapturable"
+    device = "cuda"
+    graph_safe = False
+    graph_unsafe_reason = "it reads topk_length on the host"
+
+    def __init__(self):
+        pass
+'''
+
+
+def test_execution_checks_show_as_skipped_with_the_reason(downstream, monkeypatch):
+    for name in [m for m in sys.modules if m.startswith("sparse_mqa_testkit.property_tests.")]:
+        monkeypatch.delitem(sys.modules, name)
+    downstream.makepyfile(uncapturable=UNCAPTURABLE)
+    execution = ["graph", "streams", "host_sync", "allocations", "repeats"]
+    suite = ["-rs", "-p", "no:cacheprovider", "--pyargs", "sparse_mqa_testkit.property_tests",
+             *[a for c in execution for a in ("--smqa-check", c)]]
+    r = downstream.runpytest_inprocess(*suite, "--smqa-backend", "mykernels:Mine")
+    r.assert_outcomes(skipped=2 * len(execution))  # the boundary examples and the drawn cases of each
+    table = r.stdout.str()
+    for check in execution:
+        assert re.search(rf"{check} +mykernels:Mine +0 +- +SKIP \(CUDA only: backend 'mine' runs on cpu\)", table)
+    r = downstream.runpytest_inprocess(*suite, "--smqa-backend", "uncapturable:Uncapturable", "-k", "graph")
+    r.assert_outcomes(skipped=2)
+    r.stdout.fnmatch_lines(["*SKIP (backend 'uncapturable' declares graph_safe = False: it reads topk_length on "
+                            "the host)*"])
+
+
+PROFILE_OPTIONS = '''
+import os
+
+def test_options(smqa_checks, smqa_plan):
+    explicit = smqa_plan.boundaries.examples[0]
+    assert smqa_checks.defaults("repeats", explicit) == {"repeats": int(os.environ["WANT_REPEATS"])}
+    assert smqa_checks.defaults("repeats", explicit.replace(seed=987654)) == {"repeats": 4}  # a drawn case
+    assert smqa_checks.defaults("tolerance", explicit) == {}
+'''
+
+
+@pytest.mark.parametrize("profile, repeats", [("ci", 4), ("nightly", 1000)])
+def test_the_profile_gives_the_repeats_check_its_count(downstream, monkeypatch, profile, repeats):
+    downstream.makepyfile(test_profile_options=PROFILE_OPTIONS)
+    monkeypatch.setenv("WANT_REPEATS", str(repeats))
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "test_profile_options.py", "--smqa-profile", profile,
+                                       "--smqa-backend", "mykernels:Mine")
+    r.assert_outcomes(passed=1)
+
+
+def test_execution_checks_draw_fewer_cases(monkeypatch):
+    """The drawn test of an execution check runs the profile's examples capped at EXECUTION_EXAMPLES; another
+    check's, all of them."""
+    from types import SimpleNamespace
+
+    from hypothesis import given, strategies
+
+    from sparse_mqa_testkit.harness import fixtures
+
+    monkeypatch.delenv("SMQA_MAX_EXAMPLES", raising=False)
+    runs = []
+
+    @given(strategies.integers())
+    def drawn(x):
+        runs.append(x)
+
+    state = SimpleNamespace(profile="ci", settings=profiles.profile_settings("ci"))
+    for check, want in (("graph", profiles.EXECUTION_EXAMPLES["ci"]), ("tolerance", profiles.MAX_EXAMPLES["ci"])):
+        runs.clear()
+        item = SimpleNamespace(obj=drawn, callspec=SimpleNamespace(params={"smqa_check": check}),
+                               module=SimpleNamespace(__name__="m"), name=f"test_check[{check}]")
+        fixtures._hypothesis_settings(item, state)
+        drawn()
+        assert len(runs) == want, check

@@ -38,6 +38,11 @@ class Backend(Protocol):
         ``precompile(directory)``: compile every kernel variant into a cache directory, on a machine
         without a GPU too; returns a description per variant
         ``default_for = "cuda"``: run it when nothing is named on a machine with that device
+        ``graph_safe = False`` with ``graph_unsafe_reason = "..."``: it cannot be captured in a CUDA graph (the
+        graph check then reports SKIP with the reason; a CUDA backend is expected to be capturable otherwise)
+        ``workspace_bytes(case, direction="backward") -> int``: bytes beyond its outputs one call may hold at
+        once in torch's caching allocator (the allocations check allows outputs + this; 0 when absent); a
+        ``workspace_bytes(case)`` without the direction bounds both
     """
 
     name: str

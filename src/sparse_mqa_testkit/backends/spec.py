@@ -4,6 +4,7 @@ filled in, so that no layer probes the backend itself."""
 from __future__ import annotations
 
 import inspect
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -12,7 +13,8 @@ class BackendSpec:
     """The declarations of one backend object (``Backend`` protocol), normalized.
 
     dims: tuple of (Dqk, Dv) pairs, or None for any. tiles: a dict (empty when none is declared).
-    compile_keys: as declared (``cases.compile_keys.resolve`` turns them into keys).
+    compile_keys: as declared (``cases.compile_keys.resolve`` turns them into keys). graph_safe: it can be
+    captured in a CUDA graph (True unless it declares ``graph_safe = False``, with ``graph_unsafe_reason``).
     """
 
     backend: object = field(repr=False)
@@ -24,6 +26,8 @@ class BackendSpec:
     has_forward: bool
     compile_keys: tuple
     default_for: str | None
+    graph_safe: bool = True
+    graph_unsafe_reason: str = ""
 
     @classmethod
     def of(cls, backend) -> "BackendSpec":
@@ -38,7 +42,9 @@ class BackendSpec:
                    dims=None if dims is None else tuple(tuple(d) for d in dims),
                    has_forward=callable(getattr(backend, "forward", None)),
                    compile_keys=tuple(getattr(backend, "compile_keys", None) or ()),
-                   default_for=getattr(backend, "default_for", None))
+                   default_for=getattr(backend, "default_for", None),
+                   graph_safe=bool(getattr(backend, "graph_safe", True)),
+                   graph_unsafe_reason=str(getattr(backend, "graph_unsafe_reason", "") or ""))
 
     @property
     def is_cuda(self) -> bool:
@@ -53,6 +59,23 @@ class BackendSpec:
         """None for a case inside its declared domain, else the reason it gives."""
         fn = getattr(self.backend, "supports", None)
         return fn(case) if callable(fn) else None
+
+    @property
+    def declares_workspace(self) -> bool:
+        return callable(getattr(self.backend, "workspace_bytes", None))
+
+    def workspace_bytes(self, case, direction: str = "backward") -> int:
+        """Bytes beyond its outputs that one ``direction`` call on ``case`` may hold at once in torch's caching
+        allocator: its optional ``workspace_bytes(case, direction)`` (or ``workspace_bytes(case)``, one bound for
+        both directions); 0 when it declares none."""
+        fn = getattr(self.backend, "workspace_bytes", None)
+        if not callable(fn):
+            return 0
+        takes_direction = len(inspect.signature(fn).parameters) >= 2
+        n = fn(case, direction) if takes_direction else fn(case)
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ValueError(f"backend {self.name!r}: workspace_bytes({case.repro()}) must be an int >= 0, got {n!r}")
+        return int(n)
 
     def require(self) -> None:
         """Its optional ``require()``: raises ``MissingDependency`` when a package it needs is absent."""

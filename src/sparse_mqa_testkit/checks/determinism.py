@@ -40,16 +40,17 @@ def _cached_free_blocks(dev) -> list[int]:
     return sorted(sizes, reverse=True)
 
 
-def poison_allocator(device, sizes_bytes) -> None:
-    """Fill freed memory with NaN: allocate NaN blocks of the given sizes (on CUDA also one per free cached
-    block, largest first, so best-fit hands each block out), then free them all.
+def poison_allocator(device, sizes_bytes, *, free_blocks: bool = True) -> None:
+    """Fill freed memory with NaN: allocate NaN blocks of the given sizes (on CUDA, with ``free_blocks``, also one
+    per free cached block, largest first, so best-fit hands each block out), then free them all. The blocks go to
+    the current stream's pool, which only that stream's allocations draw from.
 
     The caching allocator hands freed blocks out again without clearing them (``empty_cache`` only returns
     whole unused segments to the driver), so the kernel's next allocations start full of NaN.
     """
     dev = torch.device(device)
     sizes = [int(s) for s in sizes_bytes if s]
-    if dev.type == "cuda":
+    if dev.type == "cuda" and free_blocks:
         sizes = _cached_free_blocks(dev) + sizes
     held, total = [], 0
     for s in sizes:
@@ -63,7 +64,7 @@ def poison_allocator(device, sizes_bytes) -> None:
     del held
 
 
-def _poison_outputs(outs: dict) -> None:
+def poison_outputs(outs: dict) -> None:
     for v in outs.values():
         if v is not None and v.dtype.is_floating_point:
             with torch.no_grad():
@@ -155,7 +156,7 @@ def check_determinism(backend, case, *, repeats: int = 4, hostile: bool = True, 
                 if hostile:
                     sizes = [v.numel() * v.element_size() for v in base.values() if v is not None]
                     sizes += [v.numel() * v.element_size() for v in call.tensors().values()]
-                    _poison_outputs(first)
+                    poison_outputs(first)
                     poison_allocator(spec.device, sizes)
                 first = _call(spec, call, which, mode)
                 runs.append((mode, snapshot(first)))

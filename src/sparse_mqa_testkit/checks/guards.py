@@ -15,9 +15,10 @@ import torch
 
 from .. import contract
 from ..backends.spec import BackendSpec
-from ..compare import Expected, bitwise_equal, compare_outputs, difference
+from ..compare import Expected, compare_outputs
 from ..compare.bitwise import snapshot
 from ..compare.model import K_DEFAULT
+from .judge import same
 from .result import exception_summary, result
 
 
@@ -36,21 +37,6 @@ def unreferenced_rows(expected: Expected):
 def other_case(case):
     """Same shapes and modes, other tensors: the earlier call whose leftovers a stale output would show."""
     return case.replace(seed=(case.seed + 1) % (2**32))
-
-
-def _same(label, got: dict, clean: dict, spec: BackendSpec, expected: Expected, k) -> tuple[list[str], dict, float]:
-    """Bitwise against the clean run for a deterministic backend, the tolerance model otherwise."""
-    if spec.deterministic:
-        probs, pt = [], {}
-        for name, r in clean.items():
-            eq = bitwise_equal(got.get(name), r)
-            pt[name] = {"error": 0.0 if eq else math.inf, "allowed": 0.0, "bitwise_equal": eq,
-                        "ratio": 0.0 if eq else math.inf}
-            if not eq:
-                probs.append(f"{name}: {label}: {difference(got.get(name), r, want_label='clean run')}")
-        return probs, pt, math.inf if probs else 0.0
-    pt, probs, worst = compare_outputs(got, expected, k=k, device=spec.device)
-    return [f"{label}: {p}" for p in probs], pt, worst
 
 
 def check_guards(backend, case, *, k: float = K_DEFAULT, expected: Expected | None = None):
@@ -75,8 +61,8 @@ def check_guards(backend, case, *, k: float = K_DEFAULT, expected: Expected | No
             if unref.any():
                 kv = call["kv"].clone()
                 kv[unref.to(kv.device)] = math.nan
-                probs, pt, w = _same("with unreferenced KV rows set to NaN",
-                                     snapshot(call.replace(kv=kv).results(spec.backend, which)), clean, spec, exp, k)
+                probs, pt, w = same("with unreferenced KV rows set to NaN",
+                                    snapshot(call.replace(kv=kv).results(spec.backend, which)), clean, spec, exp, k)
                 problems += [f"{which} {p}" for p in probs]
                 per_tensor.update({f"poison.{n}": e for n, e in pt.items()})
                 worst = max(worst, w)
@@ -89,7 +75,7 @@ def check_guards(backend, case, *, k: float = K_DEFAULT, expected: Expected | No
             # 2b. stale values: other inputs of the same shapes first, then this case again
             Expected.for_backend(spec, other_case(case)).call(spec.device).results(spec.backend, which)
             again = snapshot(call.results(spec.backend, which))
-            probs, pt, w = _same("after a call with other inputs of the same shapes", again, clean, spec, exp, k)
+            probs, pt, w = same("after a call with other inputs of the same shapes", again, clean, spec, exp, k)
             problems += [f"{which} {p}" for p in probs]
             per_tensor.update({f"stale.{n}": e for n, e in pt.items()})
             worst = max(worst, w)

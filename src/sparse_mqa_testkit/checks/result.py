@@ -27,6 +27,11 @@ class CheckFailure(AssertionError):
     """A conformance check failed; ``str()`` is the full failure message."""
 
 
+class CheckSkipped(Exception):
+    """A check that does not apply to the backend (``CheckResult.skipped`` says why) was asked to pass: it did not
+    run, so it did not pass either. The pytest harness reports it as a skip."""
+
+
 def repro_command(backend_name: str, check: str, case) -> str:
     """The one-line command that replays ``check`` on ``case`` for a backend."""
     return f"sparse-mqa-check --backend {backend_name} --check {check} --replay \"{case.repro()}\""
@@ -38,6 +43,7 @@ class CheckResult:
 
     ratio is the worst measured / allowed over tensors (< 1 passes; always finite, ``FAILED_RATIO`` for a
     failure with no measure), so a search can maximise it. per_tensor maps a tensor name to {"error", "allowed", ...}.
+    skipped: why the check did not run (a CUDA-only check on a CPU backend, say); such a result has not passed.
     """
 
     check: str
@@ -48,8 +54,12 @@ class CheckResult:
     per_tensor: dict = field(default_factory=dict)
     message: str = ""
     notes: dict = field(default_factory=dict)
+    skipped: str = ""
 
     def raise_if_failed(self) -> None:
+        """CheckFailure when it failed, CheckSkipped when it did not run."""
+        if self.skipped:
+            raise CheckSkipped(self.message)
         if not self.passed:
             raise CheckFailure(self.message)
 
@@ -86,3 +96,10 @@ def result(check, backend, case, problems, *, ratio, per_tensor, notes=None) -> 
                        per_tensor=per_tensor, message="" if passed else failure_message(backend, check, case,
                                                                                         problems),
                        notes=dict(notes or {}))
+
+
+def skipped_result(check, backend, case, reason: str) -> CheckResult:
+    """The result of a check that does not apply: not passed, with the reason."""
+    return CheckResult(check=check, backend=backend_name(backend), case=case, passed=False, ratio=0.0,
+                       message=f"{check} check skipped for backend {backend_name(backend)!r}: {reason}",
+                       skipped=reason)

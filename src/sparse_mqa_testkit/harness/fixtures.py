@@ -27,7 +27,7 @@ from ..checks.memory import fits
 from ..checks.registry import get_check
 from ..compare import Expected
 from ..contract import inputs_of
-from . import hypothesis_compat
+from . import hypothesis_compat, profiles
 from .recording import PROPERTY, Recorder, run_check
 from .state import run_state, selected
 
@@ -109,16 +109,19 @@ class Oracle:
 
 class Checks:
     """The checks bound to one backend and one test's recorder: ``smqa_checks.tolerance(case)`` runs,
-    records and raises ``CheckFailure`` on failure, and returns the ``CheckResult``."""
+    records and raises ``CheckFailure`` on failure, and returns the ``CheckResult``. ``defaults(check, case)``:
+    the options the run's profile gives a check on a case (the caller's own options win)."""
 
-    def __init__(self, backend, recorder: Recorder | None = None):
+    def __init__(self, backend, recorder: Recorder | None = None, defaults=None):
         self.backend, self.recorder = backend, recorder
+        self.defaults = defaults or (lambda check, case: {})
 
     def __repr__(self) -> str:
         return f"<checks for backend {BackendSpec.of(self.backend).name}>"
 
     def run(self, check: str, case: Case, **options):
-        return run_check(check, self.backend, case, recorder=self.recorder, **options)
+        return run_check(check, self.backend, case, recorder=self.recorder,
+                         **{**self.defaults(check, case), **options})
 
     def __getattr__(self, check: str):
         if check.startswith("_"):
@@ -186,20 +189,25 @@ def smqa_bind(request):
         return
     backend = request.getfixturevalue("smqa_backend")
     state = run_state(request.config)
-    _hypothesis_settings(request.node, state.settings)
+    _hypothesis_settings(request.node, state)
     rec = recorder(request.node)
     rec.tiles = dict(state.specs[state.name_of(backend)].tiles)
     with drawing_for(state.plan_of(backend).draw):
         yield
 
 
-def _hypothesis_settings(item, profile) -> None:
+def _hypothesis_settings(item, state) -> None:
     fn = getattr(item, "obj", None)
     if hypothesis_compat.inner_test(fn) is None:
         return
-    base = hypothesis_compat.own_settings(fn) or profile
+    own = hypothesis_compat.own_settings(fn)
+    base = own or state.settings
+    check = getattr(getattr(item, "callspec", None), "params", {}).get("smqa_check")
+    examples = base.max_examples if own or not check else \
+        profiles.drawn_examples(state.profile, base.max_examples, execution=get_check(check).execution)
     # the smqa fixtures belong to the test, not to one example: they are meant to outlive the examples
-    hypothesis_compat.use_settings(fn, settings(base, suppress_health_check=set(base.suppress_health_check)
+    hypothesis_compat.use_settings(fn, settings(base, max_examples=examples,
+                                                suppress_health_check=set(base.suppress_health_check)
                                                 | {HealthCheck.function_scoped_fixture}))
     hypothesis_compat.set_example_key(fn, f"{item.module.__name__}::{item.name}".encode())
 
@@ -207,9 +215,17 @@ def _hypothesis_settings(item, profile) -> None:
 @pytest.fixture
 def smqa_checks(request, smqa_backend):
     """The checks bound to the backend and this test: ``smqa_checks.tolerance(case)``, ``.determinism(case)``,
-    ``.guards``, ``.rejection``, ``.forward_tolerance``; each records, raises ``CheckFailure`` on failure and
-    returns the ``CheckResult``."""
-    return Checks(smqa_backend, recorder(request.node))
+    ``.guards``, ``.rejection``, ``.forward_tolerance``, ``.graph``, ``.streams``, ``.host_sync``,
+    ``.allocations``, ``.repeats``; each records, raises ``CheckFailure`` on failure (a pytest skip when it does
+    not apply) and returns the ``CheckResult``. The profile sets options a check takes (the repeats' count,
+    longer on the plan's explicit boundary examples)."""
+    state = run_state(request.config)
+    explicit, profile = set(state.plan_of(smqa_backend).boundaries.examples), state.profile
+
+    def defaults(check: str, case: Case) -> dict:
+        return profiles.check_options(profile, check, explicit=case in explicit)
+
+    return Checks(smqa_backend, recorder(request.node), defaults)
 
 
 @pytest.fixture

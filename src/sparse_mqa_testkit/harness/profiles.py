@@ -32,6 +32,13 @@ MAX_EXAMPLES_ENV = "SMQA_MAX_EXAMPLES"  # overrides the profile's examples per t
 
 # Examples per property test. ci is sized so a 2-core CPU run of `reference` stays well under 3 minutes.
 MAX_EXAMPLES = {"dev": 12, "ci": 100, "nightly": 2000, "scale": 100}
+# Drawn examples per test of an execution check (graph, streams, host_sync, allocations, repeats), at most: what
+# they judge (capture, streams, host round trips, memory) follows the shapes and modes, which the explicit
+# boundary examples already cover class by class, and a case costs a capture, two parked streams or many calls.
+EXECUTION_EXAMPLES = {"dev": 4, "ci": 10, "nightly": 200, "scale": 10}
+# Calls per case of the repeats check: (an explicit boundary example, a drawn case). cuDNN frontend's own suite
+# repeats 1000 times; nightly does so on the boundary examples, and drawn cases, being many, keep a short run.
+REPEATS = {"dev": (4, 4), "ci": (4, 4), "nightly": (1000, 4), "scale": (4, 4)}
 
 _SUPPRESS = (HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
              HealthCheck.differing_executors)
@@ -132,6 +139,19 @@ def profile_name(name: str | None = None) -> str:
         where = "profile" if name else PROFILE_ENV
         raise ValueError(f"{where} must be one of {', '.join(PROFILES)}, got {chosen!r}")
     return chosen
+
+
+def check_options(profile: str, check: str, *, explicit: bool) -> dict:
+    """The options the suite passes ``check`` under ``profile`` (``explicit``: the case is one of the plan's
+    boundary examples, not a drawn one)."""
+    if check == "repeats":
+        return {"repeats": REPEATS[profile][0 if explicit else 1]}
+    return {}
+
+
+def drawn_examples(profile: str, base: int, *, execution: bool) -> int:
+    """Examples a drawn test of a check runs: the profile's (``base``), capped for an execution check."""
+    return min(base, EXECUTION_EXAMPLES[profile]) if execution else base
 
 
 def profile_settings(name: str, database: str | os.PathLike | None = None) -> settings:

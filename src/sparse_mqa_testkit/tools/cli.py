@@ -2,6 +2,7 @@
 
     sparse-mqa-check [--backend NAME|module:attr] [--profile dev|ci|nightly] [--json PATH] [--database DIR]
     sparse-mqa-check --backend NAME --check CHECK --replay "Case(...)"     # replay one failure
+    sparse-mqa-check --backend NAME --check repeats --repeats 1000 --replay "Case(...)"
     sparse-mqa-check --precompile DIR [--backend NAME]                    # fill kernel caches ahead
     sparse-mqa-check --backend NAME --sanitize [memcheck,racecheck,...]   # boundary cases under compute-sanitizer
     sparse-mqa-check --profile nightly --budget SECONDS --out DIR         # nightly fuzzing (see nightly.py)
@@ -47,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--check", metavar="NAME", choices=list(CHECKS),
                     help=f"only this check ({', '.join(CHECKS)}); with --replay, the check to replay")
     ap.add_argument("--replay", metavar='"Case(...)"', help="run --check once on this case and print the result")
+    ap.add_argument("--repeats", type=int, metavar="N", help="with --check repeats --replay: calls per case (a "
+                    "failure's message says how many it made)")
     ap.add_argument("--sanitize", nargs="?", const=",".join(TOOLS), metavar="TOOLS",
                     help="run the backend's explicit boundary cases (or --replay's case) under compute-sanitizer, one "
                          f"child process per tool (default {','.join(TOOLS)}); any finding fails")
@@ -91,11 +94,14 @@ def main(argv=None) -> int:
         return isolate(backends, args.isolate, args.check, args.profile, args.replay)
     if args.sanitize:
         return sanitize(backends, args.sanitize, args.profile, args.replay)
+    if args.repeats is not None and (args.check != "repeats" or not args.replay):
+        print("sparse-mqa-check: --repeats goes with --check repeats --replay", file=sys.stderr)
+        return 2
     if args.replay:
         if not args.check:
             print("sparse-mqa-check: --replay needs --check NAME", file=sys.stderr)
             return 2
-        return replay(backends[0], args.check, args.replay)
+        return replay(backends[0], args.check, args.replay, args.repeats)
     if args.budget is not None:
         return run_nightly(backends, budget=args.budget, out=args.out, database=args.database,
                            ledger=args.ledger, profile=args.profile or "nightly", extra=extra)
@@ -135,14 +141,18 @@ def _default_backend() -> str:
     return default_backend_name()
 
 
-def replay(backend_name: str, check: str, expr: str) -> int:
-    """Run one check on one case (the line a failure message prints) and show its result."""
+def replay(backend_name: str, check: str, expr: str, repeats: int | None = None) -> int:
+    """Run one check on one case (the line a failure message prints) and show its result; a check that does not
+    apply to the backend says why (exit status 1: nothing was checked)."""
     case = _case(expr)
     if case is None:
         return 2
     spec = BackendSpec.of(get_backend(backend_name))
     spec.warmup([case])
-    result = get_check(check).function(spec, case)
+    result = get_check(check).function(spec, case, **({"repeats": repeats} if repeats else {}))
+    if result.skipped:
+        print(f"SKIP: {check} on backend {backend_name}: {result.skipped}\ncase: {case.describe()}")
+        return 1
     if result.passed:
         print(f"PASS: {check} on backend {backend_name}: worst ratio {result.ratio:.3g}\ncase: {case.describe()}")
         return 0
