@@ -165,15 +165,16 @@ class BwdPlan:
 
         - 8 per dkv element: the int64 accumulator, converted to float64 in place at the end; before it exists,
           the Vmax pass's float32 copy of V and its square (8 per V element, no more);
-        - 12 per KV row: that pass's row norms and their finite-masked copy;
+        - 12 per KV row: that pass's row norms and their finite-masked copy; 1 per KV row and 13 per top-k slot
+          for the rows some valid slot names (``referenced_rows``: the slot mask and an int64 copy of the indices);
         - per (query, head), fp32: Delta and the kernel LSE for the whole call, and with a sink its probabilities,
           a chunk's d_sink product and that reduction's scratch (2x): 6 rows; without a sink, the slot mass's
           temporaries: 5;
         - 4 per query: topk_length's stand-in when none is given, and 4 per query of a chunk for its row ids;
         - 64 KiB: the 0-d scalars of the fixed point and the reductions' staging.
         """
-        kv_rows, rows = self.B * self.Skv, self.B * self.S * self.H
-        return (self.accumulator_bytes() + 12 * kv_rows + 4 * rows * (6 if sink else 5)
+        kv_rows, rows, slots = self.B * self.Skv, self.B * self.S * self.H, self.B * self.S * self.L
+        return (self.accumulator_bytes() + 13 * kv_rows + 1 + 13 * slots + 4 * rows * (6 if sink else 5)
                 + (0 if topk_given else 4 * self.B * self.S) + 4 * self.query_chunk + SCALAR_BYTES)
 
 
@@ -236,10 +237,11 @@ def referenced_rows(indices, topk_length, s_kv: int):
         flat = np.where(valid, np.asarray(indices, dtype=np.int64) + base, B * s_kv).reshape(-1)
         mask = np.zeros(B * s_kv + 1, dtype=bool)
         mask[flat] = True
-    else:
-        base = (xp.arange(B, dtype=indices.dtype, device=indices.device) * s_kv).view(B, 1, 1)
-        flat = xp.where(valid, indices + base, B * s_kv).reshape(-1).long()
-        mask = xp.zeros(B * s_kv + 1, dtype=xp.bool, device=indices.device).scatter_(0, flat, True)
+    else:  # 9 bytes per slot beside valid_mask's own: one int64 copy of the indices, edited in place
+        flat = indices.to(xp.int64)
+        flat.add_((xp.arange(B, dtype=xp.int64, device=indices.device) * s_kv).view(B, 1, 1))
+        flat.masked_fill_(~valid, B * s_kv)
+        mask = xp.zeros(B * s_kv + 1, dtype=xp.bool, device=indices.device).scatter_(0, flat.view(-1), True)
     return mask[:-1].reshape(B, s_kv)
 
 
