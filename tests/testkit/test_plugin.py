@@ -357,6 +357,13 @@ def test_the_readme_test_file_runs_as_written(downstream):
     downstream.makepyfile(test_readme=block)
     r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "test_readme.py", "--smqa-backend", "mykernels:Mine")
     r.assert_outcomes(passed=1 + 3)  # the @given test, and the by-hand test once per drawn case
+    # the same under xdist: every row the table and the JSON show passed (a passed setup is no error)
+    out = downstream.path / "r.json"
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "-n", "2", "test_readme.py", "--smqa-backend",
+                                       "mykernels:Mine", "--smqa-json", str(out))
+    r.assert_outcomes(passed=1 + 3)
+    assert "ERROR" not in r.stdout.str()
+    assert {x["outcome"] for x in json.loads(out.read_text())["rows"]} == {"passed"}
 
 
 def test_the_scale_tier_runs_only_when_asked(downstream, monkeypatch):

@@ -7,8 +7,8 @@ import torch
 
 from sparse_mqa_testkit import Case, check_backward_tolerance, check_forward_tolerance
 from sparse_mqa_testkit.backends.reference import ReferenceBackend
-from sparse_mqa_testkit.harness.recording import Recorder
-from sparse_mqa_testkit.harness.table import format_table, merged
+from sparse_mqa_testkit.harness.recording import PROPERTY, Recorder
+from sparse_mqa_testkit.harness.table import format_table, merged, summarize
 from support import Base2LseForward
 
 
@@ -74,3 +74,22 @@ def test_rows_of_one_check_merge_and_timing_is_shown():
     assert len(rows) == 1 and rows[0]["cases"] == 2
     table = format_table([_row(a, "passed")], {"x": {"compile_s": 62.5, "keys": 12, "check_s": 183.0}})
     assert "time on x: warm-up 62.5 s (12 kernel keys), checks 183.0 s" in table
+
+
+def _report(when: str, outcome: str, data: dict):
+    from _pytest.reports import TestReport
+
+    longrepr = ("f.py", 1, "Skipped: no GPU") if outcome == "skipped" else None
+    return TestReport("t.py::test_x", ("t.py", 1, "test_x"), {}, outcome, longrepr, when,
+                      user_properties=[(PROPERTY, data)])
+
+
+def test_a_passed_setup_is_never_an_error_row():
+    data = Recorder(check="by_hand", backend="mine").data()
+    assert summarize([_report("setup", "passed", data)]) == []
+    assert summarize([_report("teardown", "passed", data)]) == []
+    (row,) = summarize([_report("setup", "passed", data), _report("call", "passed", data),
+                        _report("teardown", "passed", data)])
+    assert row["outcome"] == "passed"
+    assert [r["outcome"] for r in summarize([_report("setup", "failed", data)])] == ["error"]
+    assert [r["outcome"] for r in summarize([_report("setup", "skipped", data)])] == ["skipped"]

@@ -13,12 +13,13 @@ from .recording import PROPERTY, merge_coverage, worst_rank
 
 
 def summarize(reports) -> list[dict]:
-    """One row per suite test from pytest reports (call phase, or setup when skipped/errored)."""
+    """One row per suite test from pytest reports: its call phase, or a setup or teardown that skipped or
+    raised. A setup or teardown that passed says nothing of the test's outcome and makes no row."""
     rows = {}
     for rep in reports:
         props = dict(getattr(rep, "user_properties", ()) or ())
         data = props.get(PROPERTY)
-        if data is None:
+        if data is None or (rep.when != "call" and rep.passed):
             continue
         if rep.when == "call" or rep.nodeid not in rows:
             outcome = rep.outcome if rep.when == "call" else ("skipped" if rep.skipped else "error")
