@@ -45,7 +45,7 @@ from .harness.fixtures import (  # noqa: F401
     smqa_scale_case,
 )
 from .harness.recording import PROPERTY
-from .harness.state import BACKEND_ENV, run_state, selected
+from .harness.state import run_state, selected
 
 SUITE_PACKAGE = "sparse_mqa_testkit.property_tests"
 
@@ -69,15 +69,11 @@ def pytest_configure(config):
     config.pluginmanager.register(report.Reports(config), "smqa-reports")
 
 
-def _explicit(config) -> bool:
-    """The run names backends itself (option or environment): it means to use the suite."""
-    return bool(config.getoption("smqa_backend") or os.environ.get(BACKEND_ENV))
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
-    # the xdist controller collects nothing: it validates here, once, for a run that names its backends
-    if getattr(session.config, "workerinput", None) is None and _explicit(session.config):
+    # the xdist controller collects nothing: it validates here, once, for a run that names its backends on its
+    # command line (it means to use the suite); $SMQA_BACKEND alone is checked where a test uses the suite
+    if getattr(session.config, "workerinput", None) is None and session.config.getoption("smqa_backend"):
         selected(session.config)
 
 

@@ -29,6 +29,46 @@ def test_replay_passes_and_fails_with_the_message(broken, capsys):
     assert "tolerance check failed for backend 'broken'" in out and "dq: relative L2 error" in out
 
 
+def test_replay_lines_name_the_backend_as_given_and_run_as_printed(broken, capsys):
+    import shlex
+
+    assert cli.main(["--backend", broken, "--check", "tolerance", "--replay", "Case(H=3, Skv=9, seed=1)"]) == 1
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("repro: ")]
+    assert line.startswith(f"repro: sparse-mqa-check --backend {broken} --check tolerance --replay")
+    argv = shlex.split(line.removeprefix("repro: "))
+    assert argv[0] == "sparse-mqa-check" and cli.main(argv[1:]) == 1  # the printed line runs, and fails again
+    assert capsys.readouterr().out == out
+
+
+@pytest.mark.parametrize("spec, why", [("no_such_module_xyz:B", "no module named 'no_such_module_xyz'"),
+                                       ("sparse_mqa_testkit:NoSuchBackend", "has no attribute 'NoSuchBackend'"),
+                                       ("nosuch", "unknown backend 'nosuch'; known: ")])
+def test_a_backend_that_is_not_found_is_one_line(capsys, spec, why):
+    assert cli.main(["--backend", spec, "--check", "tolerance", "--replay", "Case()"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"sparse-mqa-check: --backend {spec}: ") and why in err
+
+
+def test_the_cli_names_its_own_flags_and_the_database_takes_redis_urls(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "optional.py").write_text(
+        "from sparse_mqa_testkit import MissingDependency\n"
+        "from sparse_mqa_testkit.backends.reference import ReferenceBackend\n"
+        "class Needs(ReferenceBackend):\n    name = 'needs'\n    def require(self):\n"
+        "        raise MissingDependency('needs fancylib: pip install fancylib')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    assert cli.main(["--backend", "optional:Needs", "--check", "guards"]) != 0
+    out = capfd.readouterr()
+    text = out.out + out.err
+    assert "fancylib" in text and "--allow-missing" in text and "--smqa-" not in text
+    assert "profile ?" not in text and "the suite did not run on backend optional:Needs" in text
+    assert cli.main(["--backend", "optional:Needs", "--check", "guards", "--allow-missing"]) == 1
+    out = capfd.readouterr().out
+    assert "nothing was checked: backend 'optional:Needs' skipped (--allow-missing): needs fancylib" in out
+    assert "redis://HOST:PORT" in cli.parser().format_help()
+
+
 def test_replay_refuses_anything_but_a_case(capsys):
     assert cli.main(["--check", "tolerance", "--replay", "__import__('os')"]) == 2
     assert cli.main(["--replay", "Case()"]) == 2
@@ -103,6 +143,27 @@ def test_nightly_failure_becomes_reproducer_ledger_and_replays_from_the_database
     assert rc == 0
     rc, data = runner.run_suite([broken], profile="ci", database=out / "examples", extra=["--smqa-check", "tolerance"])
     assert rc == 1 and "failed" in {r["outcome"] for r in data["rows"]}
+
+
+MINE_TEST = '''
+from hypothesis import given
+from sparse_mqa_testkit import backend_cases
+
+
+@given(case=backend_cases())
+def test_mine(smqa_checks, case):
+    smqa_checks.tolerance(case)
+'''
+
+
+def test_a_nightly_failure_in_a_users_own_test_patches_that_test(broken, tmp_path, capfd):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_mine.py").write_text(MINE_TEST)
+    out = tmp_path / "night"
+    assert run_nightly([broken], budget=60, out=out, extra=["-k", "test_mine", "tests/test_mine.py"]) == 1
+    assert "FAILURE mine" in capfd.readouterr().out
+    patch = next(out.glob("reproducer-*.patch")).read_text()
+    assert "+++ ./tests/test_mine.py" in patch and "+@example(case=Case(" in patch and "test_checks" not in patch
 
 
 def test_nightly_pass_appends_to_the_ledger_and_compares_with_the_last_run(tmp_path, monkeypatch, capfd):

@@ -163,6 +163,18 @@ def test_environment_typos_are_usage_errors_only_where_the_suite_is_used(downstr
     assert env in r.stderr.str() and allowed in r.stderr.str() and "INTERNALERROR" not in r.stdout.str()
 
 
+def test_an_unknown_backend_in_the_environment_is_named_and_only_where_the_suite_is_used(downstream, monkeypatch):
+    monkeypatch.setenv("SMQA_BACKEND", "nosuch")
+    downstream.makepyfile(test_unrelated="def test_plain():\n    assert True\n")
+    for xdist in ((), ("-n", "2")):
+        r = downstream.runpytest_inprocess("-p", "no:cacheprovider", *xdist, "test_unrelated.py")
+        assert r.ret == pytest.ExitCode.OK, r.stderr.str()
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "test_down.py")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert "SMQA_BACKEND=nosuch: unknown backend 'nosuch'" in r.stderr.str()
+    assert "--smqa-backend" not in r.stderr.str()
+
+
 @NO_CUDA
 def test_skip_reasons_on_a_cpu_only_machine(downstream):
     downstream.makepyfile(test_gpu='''

@@ -49,6 +49,14 @@ class CheckResult:
     message: str = ""
     notes: dict = field(default_factory=dict)
 
+    def replayed_as(self, given: str) -> "CheckResult":
+        """This result with its replay line naming the backend as the run was ``given`` it (``module:attr``),
+        which the backend's own ``name`` may not resolve to."""
+        if not self.passed and given != self.backend:
+            self.message = self.message.replace(repro_command(self.backend, self.check, self.case),
+                                                repro_command(given, self.check, self.case))
+        return self
+
     def raise_if_failed(self) -> None:
         if not self.passed:
             raise CheckFailure(self.message)

@@ -28,6 +28,7 @@ from ..checks.registry import get_check
 from ..compare import Expected
 from ..contract import inputs_of
 from . import hypothesis_compat
+from .options import as_typed
 from .recording import PROPERTY, Recorder, run_check
 from .state import run_state, selected
 
@@ -69,7 +70,8 @@ def recorder(item) -> Recorder:
             check += "_outside_domain"
         if "smqa_case" in params:
             check += f"[case{params['smqa_case']}]"
-        rec = Recorder(check=check, backend=str(params.get("smqa_backend", "?")), say=say(item.config))
+        test = f"{item.path}::{item.nodeid.partition('::')[2].split('[')[0]}"
+        rec = Recorder(check=check, backend=str(params.get("smqa_backend", "?")), test=test, say=say(item.config))
         item.stash[_REC] = rec
         item.user_properties.append((PROPERTY, rec.data()))
     return rec
@@ -157,7 +159,7 @@ def smqa_backend(request):
         pytest.fail(str(e), pytrace=False)
     name = getattr(request, "param", None) or state.names[0]
     if name in state.missing:
-        pytest.skip(f"backend {name!r} skipped (--smqa-allow-missing): {state.missing[name]}")
+        pytest.skip(as_typed(f"backend {name!r} skipped (--smqa-allow-missing): {state.missing[name]}"))
     spec = state.specs[name]
     if spec.device != "cpu" and not torch.cuda.is_available():
         no_gpu(request.config, f"backend {name!r} (device {spec.device})")

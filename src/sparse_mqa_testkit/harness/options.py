@@ -1,9 +1,28 @@
-"""The plugin's command-line options: every ``--smqa-*`` flag, with the environment variable it defaults to."""
+"""The plugin's command-line options: every ``--smqa-*`` flag, with the environment variable it defaults to; and
+messages in the terms of the front end the user typed (``sparse-mqa-check`` has its own flags)."""
 
 from __future__ import annotations
 
+import os
+import re
+
 from . import profiles
-from .state import BACKEND_ENV, LIMITS_ENV
+
+BACKEND_ENV = "SMQA_BACKEND"
+LIMITS_ENV = "SMQA_LIMITS"
+FRONT_END_ENV = "SMQA_FRONT_END"  # "sparse-mqa-check" in the CLI's child pytest
+CLI = "sparse-mqa-check"
+CLI_FLAGS = {"--smqa-backend": "--backend", "--smqa-profile": "--profile", "--smqa-database": "--database",
+             "--smqa-check": "--check", "--smqa-json": "--json", "--smqa-allow-missing": "--allow-missing",
+             "--smqa-limits": "--limits", "--smqa-compile-budget": "--compile-budget"}
+
+
+def as_typed(message: str) -> str:
+    """``message`` with each ``--smqa-*`` flag named as the user typed it: sparse-mqa-check's own flag in its
+    child pytest, unchanged in a plain pytest run."""
+    if os.environ.get(FRONT_END_ENV) != CLI:
+        return message
+    return re.sub(r"--smqa-[a-z-]+", lambda m: CLI_FLAGS.get(m.group(0), m.group(0)), message)
 
 
 def add_options(parser) -> None:

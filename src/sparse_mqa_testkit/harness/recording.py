@@ -60,6 +60,7 @@ class Recorder:
 
     check: str
     backend: str
+    test: str = ""  # the test function as FILE::NAME, the file's absolute path (where a reproducer patch goes)
     tiles: dict = field(default_factory=dict)
     cases: int = 0
     failed: int = 0
@@ -89,8 +90,8 @@ class Recorder:
                             "highest_ratio": self.worst.get("ratio")}
 
     def data(self) -> dict:
-        return {k: getattr(self, k) for k in ("check", "backend", "tiles", "cases", "failed", "worst", "coverage",
-                                               "failure", "unreachable")}
+        return {k: getattr(self, k) for k in ("check", "backend", "test", "tiles", "cases", "failed", "worst",
+                                               "coverage", "failure", "unreachable")}
 
 
 def worst_rank(worst: dict) -> tuple:
@@ -140,11 +141,7 @@ def run_check(check: str, backend, case: Case, *, recorder: Recorder | None = No
     """Run a registry check, record it on ``recorder``, target its ratio, raise ``CheckFailure`` on failure."""
     result = get_check(check).function(backend, case, **options)
     if recorder is not None:
-        if not result.passed and recorder.backend != result.backend:
-            # replay by the name the run was given (module:attr), which the backend's .name may not resolve
-            result.message = result.message.replace(repro_command(result.backend, result.check, case),
-                                                    repro_command(recorder.backend, result.check, case))
-        recorder.add(result)
+        recorder.add(result.replayed_as(recorder.backend))
     if currently_in_test_context():
         target(finite_ratio(result.ratio), label=f"{check} ratio")
     result.raise_if_failed()

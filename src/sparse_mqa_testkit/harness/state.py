@@ -16,9 +16,8 @@ from ..cases.planning import Plan, compile_budget, plan_backend
 from ..checks.registry import CHECKS
 from ..checks.result import exception_summary
 from . import profiles
+from .options import BACKEND_ENV, LIMITS_ENV, as_typed
 
-BACKEND_ENV = "SMQA_BACKEND"
-LIMITS_ENV = "SMQA_LIMITS"
 _KEY = pytest.StashKey["SuiteState"]()
 
 
@@ -31,6 +30,7 @@ class SuiteState:
     backend), ``drawn`` (smqa_case's cases), ``workers`` (xdist workers and their GPUs)."""
 
     names: list[str] | None = None
+    given_as: str = "--smqa-backend "  # where the names came from, as an error message names it
     error: str | None = None
     profile: str | None = None
     settings: object = None
@@ -54,11 +54,14 @@ class SuiteState:
         return self.plans[self.name_of(backend)]
 
 
-def backend_names(config) -> list[str]:
-    """The backends the run names (option, else $SMQA_BACKEND), else the machine's default; each once."""
-    given = config.getoption("smqa_backend") or [os.environ.get(BACKEND_ENV, "")]
+def backend_names(config) -> tuple[list[str], str]:
+    """The backends the run names (option, else $SMQA_BACKEND), else the machine's default, each once; and where
+    they came from, as a message names it (``--smqa-backend `` or ``SMQA_BACKEND=``)."""
+    option = config.getoption("smqa_backend")
+    given = option or [os.environ.get(BACKEND_ENV, "")]
     names = [n.strip() for arg in given for n in arg.split(",") if n.strip()]
-    return list(dict.fromkeys(names or [default_backend_name()]))
+    where = "--smqa-backend " if option else f"{BACKEND_ENV}=" if names else "the default backend "
+    return list(dict.fromkeys(names or [default_backend_name()])), where
 
 
 def run_state(config) -> SuiteState:
@@ -68,7 +71,7 @@ def run_state(config) -> SuiteState:
         config.stash[_KEY] = SuiteState()
     state = config.stash[_KEY]
     if state.names is None:
-        state.names = backend_names(config)
+        state.names, state.given_as = backend_names(config)
     return state
 
 
@@ -82,8 +85,8 @@ def selected(config) -> SuiteState:
         try:
             _select(config, state)
         except pytest.UsageError as e:
-            state.error = str(e)
-            raise
+            state.error = as_typed(str(e))
+            raise pytest.UsageError(state.error) from None
     return state
 
 
@@ -103,29 +106,29 @@ def _select(config, state: SuiteState) -> None:
         raise pytest.UsageError(f"--smqa-check {', '.join(unknown)}: not a check; choose from {', '.join(CHECKS)}")
     state.checks = wanted
     for name in state.names:
-        _load(config, state, name, profile)
+        _load(config, state, name, profile, f"{state.given_as}{name}")
     state.profile = profile
 
 
-def _load(config, state: SuiteState, name: str, profile: str) -> None:
-    """Load and plan one backend, or raise pytest.UsageError saying why it cannot be (a missing optional package
-    is a skip with --smqa-allow-missing)."""
+def _load(config, state: SuiteState, name: str, profile: str, given: str) -> None:
+    """Load and plan one backend, or raise pytest.UsageError saying why it cannot be, starting with how the run
+    ``given`` it (a missing optional package is a skip with --smqa-allow-missing)."""
     try:
         spec = BackendSpec.of(get_backend(name))
         spec.require()
     except BackendNotFound as e:
-        raise pytest.UsageError(f"--smqa-backend {name}: {e}") from None
+        raise pytest.UsageError(f"{given}: {e}") from None
     except MissingDependency as e:
         if config.getoption("smqa_allow_missing"):
             state.missing[name] = str(e)
             return
-        raise pytest.UsageError(f"--smqa-backend {name}: {e}\n(pass --smqa-allow-missing to skip its tests "
+        raise pytest.UsageError(f"{given}: {e}\n(pass --smqa-allow-missing to skip its tests "
                                 "instead)") from None
     except Exception as e:  # a broken backend module is an error, with where it broke: never a skip
-        raise pytest.UsageError(f"--smqa-backend {name}: loading it raised {exception_summary(e, frames=6)}") \
+        raise pytest.UsageError(f"{given}: loading it raised {exception_summary(e, frames=6)}") \
             from None
     try:
         state.plans[name] = plan_backend(spec, profile=profile, budget=state.budget, limits=state.limits)
     except ValueError as e:
-        raise pytest.UsageError(f"--smqa-backend {name}: {e}") from None
+        raise pytest.UsageError(f"{given}: {e}") from None
     state.specs[name] = spec

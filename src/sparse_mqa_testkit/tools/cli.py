@@ -20,12 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-from ..backends import available_backends, default_backend_name, get_backend
+from ..backends import BackendNotFound, MissingDependency, available_backends, default_backend_name, get_backend
 from ..backends.registry import describe_backends
 from ..backends.spec import BackendSpec
 from ..cases import Case
 from ..cases.planning import compile_budget, plan_backend
 from ..checks.registry import CHECKS, get_check
+from ..checks.result import exception_summary
 from ..harness.profiles import PROFILES, profile_name
 from ..harness.table import merged
 from . import sanitize as san
@@ -42,7 +43,9 @@ def parser() -> argparse.ArgumentParser:
                          "this machine's GPU, else reference)")
     ap.add_argument("--profile", choices=PROFILES, help="Hypothesis profile (default $SMQA_PROFILE or dev)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    ap.add_argument("--database", metavar="DIR", help="Hypothesis example database directory")
+    ap.add_argument("--database", metavar="DIR|redis://HOST:PORT[/DB]",
+                    help="Hypothesis example database: directories and Redis URLs, comma-separated, all read and "
+                         "written (default $SMQA_DATABASE, else ./.hypothesis/smqa)")
     ap.add_argument("--check", metavar="NAME", choices=list(CHECKS),
                     help=f"only this check ({', '.join(CHECKS)}); with --replay, the check to replay")
     ap.add_argument("--replay", metavar='"Case(...)"', help="run --check once on this case and print the result")
@@ -104,6 +107,10 @@ def main(argv=None) -> int:
         print(f"sparse-mqa-check: nothing was checked: {'; '.join(reasons)}")
         rc = 1
     verdict = "FAIL" if rc != 0 else "PASS"
+    if not data:  # the suite never started (a usage error, a backend that did not load): the child said why
+        print(f"sparse-mqa-check: {verdict}: the suite did not run on backend {', '.join(backends)} (pytest exit "
+              f"status {rc}, see above), {time.monotonic() - t0:.0f} s")
+        return rc or 1
     timing = data.get("timing") or {}
     split = "".join(f", {b}: warm-up {t['compile_s']:.0f} s, checks {t['check_s']:.0f} s"
                     for b, t in timing.items() if t.get("compile_s") is not None)
@@ -133,14 +140,30 @@ def replay(backend_name: str, check: str, expr: str) -> int:
     case = _case(expr)
     if case is None:
         return 2
-    spec = BackendSpec.of(get_backend(backend_name))
+    spec = load(backend_name)
+    if spec is None:
+        return 2
     spec.warmup([case])
-    result = get_check(check).function(spec, case)
+    result = get_check(check).function(spec, case).replayed_as(backend_name)
     if result.passed:
         print(f"PASS: {check} on backend {backend_name}: worst ratio {result.ratio:.3g}\ncase: {case.describe()}")
         return 0
     print(result.message)
     return 1
+
+
+def load(name: str) -> BackendSpec | None:
+    """The backend ``--backend`` names, or None after saying in one line why it cannot be loaded (with the last
+    frames when its own module raised)."""
+    try:
+        spec = BackendSpec.of(get_backend(name))
+        spec.require()
+        return spec
+    except (BackendNotFound, MissingDependency) as e:
+        print(f"sparse-mqa-check: --backend {name}: {e}", file=sys.stderr)
+    except Exception as e:
+        print(f"sparse-mqa-check: --backend {name}: loading it raised {exception_summary(e)}", file=sys.stderr)
+    return None
 
 
 def list_backends() -> int:
@@ -177,7 +200,9 @@ def sanitize(backends, tools: str, profile, replay_expr=None) -> int:
         return 2
     rc = 0
     for name in backends:
-        backend = BackendSpec.of(get_backend(name))
+        backend = load(name)
+        if backend is None:
+            return 2
         if backend.device == "cpu":
             print(f"sanitize {name}: runs on the CPU: nothing for compute-sanitizer to check: NOT sanitized")
             rc = max(rc, san.NOT_RUN)

@@ -14,13 +14,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import pkgutil
 import re
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .. import property_tests
 from ..harness import hypothesis_compat, profiles
 from ..harness.recording import DEADLINE_ENV, PROGRESS_ENV, merge_coverage
 from .runner import run_suite
@@ -122,31 +121,54 @@ def write_reproducer(out: Path, row: dict) -> Path:
 
 
 def suite_patch(row: dict, out: Path) -> Path | None:
-    """Hypothesis's own ``@example`` patch for the suite test that failed (best effort: None if unavailable).
+    """Hypothesis's own ``@example`` patch for the test that failed, the one the row's nodeid names (the suite's
+    or the user's own), or None (best effort, saying why).
 
     Written here because Hypothesis cannot write it itself: the falsifying example it prints includes the
     ``smqa_backend`` fixture, whose repr is not Python.
     """
     try:
-        # the failing test: a check's own (test_check, parametrized over the registry) or coverage's
-        func_name = "test_check_outside_domain" if row["check"].endswith("_outside_domain") else "test_check"
-        for info in pkgutil.iter_modules(property_tests.__path__):
-            module = importlib.import_module(f"{property_tests.__name__}.{info.name}")
-            func = getattr(module, func_name, None)
-            if func is not None:
-                patch = hypothesis_compat.example_patch(func, f"{func_name}(case={row['failure']['case']})")
-                if patch is None:
-                    print(f"[nightly] no Hypothesis patch for {row['check']}: it could not locate "
-                          f"{func_name} in {module.__file__}", flush=True)
-                    return None
-                slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{row['backend']}-{row['check']}")
-                path = out / f"reproducer-{slug}.patch"
-                path.write_text(patch)
-                return path
+        func = named_test(row.get("test") or "")
+        if func is None:
+            print(f"[nightly] no Hypothesis patch for {row['check']}: its row names no test file "
+                  f"({row.get('nodeid')!r})", flush=True)
+            return None
+        patch = hypothesis_compat.example_patch(func, f"{func.__name__}(case={row['failure']['case']})")
+        if patch is None:
+            print(f"[nightly] no Hypothesis patch for {row['check']}: it could not locate {func.__name__} in "
+                  f"{getattr(sys.modules.get(func.__module__), '__file__', func.__module__)}", flush=True)
+            return None
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{row['backend']}-{row['check']}")
+        path = out / f"reproducer-{slug}.patch"
+        path.write_text(patch)
+        return path
     except Exception as e:  # a private Hypothesis helper: never let it hide the failure itself
         print(f"[nightly] no Hypothesis patch for {row['check']}: {type(e).__name__}: {e}", flush=True)
         return None
-    return None
+
+
+def named_test(test: str):
+    """The function ``FILE::[Class::]name`` names (a row's ``test``), importing its file as pytest does by default
+    (the first directory up without ``__init__.py`` on sys.path, the module named from there); None when it
+    names no file."""
+    path, _, rest = test.partition("::")
+    file = Path(path).resolve()
+    if not path or not rest or not file.is_file():
+        return None
+    module = next((m for m in list(sys.modules.values())
+                   if getattr(m, "__file__", None) and Path(m.__file__).resolve() == file), None)
+    if module is None:
+        parts, base = [file.stem], file.parent
+        while (base / "__init__.py").exists():
+            parts.insert(0, base.name)
+            base = base.parent
+        if str(base) not in sys.path:
+            sys.path.insert(0, str(base))
+        module = importlib.import_module(".".join(parts))
+    obj = module
+    for name in rest.split("::"):
+        obj = getattr(obj, name)
+    return obj
 
 
 def append_ledger(path: Path, classes: dict, **meta) -> None:

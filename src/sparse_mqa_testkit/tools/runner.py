@@ -10,6 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..harness.options import CLI, FRONT_END_ENV
+
 SUITE = "sparse_mqa_testkit.property_tests"
 
 
@@ -33,6 +35,7 @@ def run_suite(backends, *, profile=None, database=None, json_path=None, extra=()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(json_path or Path(tmp) / "smqa.json")
         cmd = suite_command(backends, profile=profile, database=database, json_path=path, extra=extra)
+        env = {**(os.environ if env is None else env), FRONT_END_ENV: CLI}  # its messages name the CLI's flags
         try:
             rc = subprocess.run(cmd, env=env, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
