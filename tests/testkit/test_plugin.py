@@ -226,6 +226,27 @@ def test_installed_suite_from_a_downstream_repo(downstream, monkeypatch):
     assert {p for p in pkg.rglob("*") if ".hypothesis" in p.parts} == before
 
 
+SHORT_DKV = '''
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class Short(ReferenceBackend):
+    name = "short"
+    def backward(self, *args, **kwargs):
+        dq, dkv, ds = super().backward(*args, **kwargs)
+        return dq, dkv[:, :-1], ds
+'''
+
+
+def test_a_failure_without_a_measure_shows_no_target_score(downstream):
+    downstream.makepyfile(shortkernels=SHORT_DKV)
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--pyargs", "sparse_mqa_testkit.property_tests",
+                                       "--smqa-backend", "shortkernels:Short", "--smqa-check", "tolerance",
+                                       "-k", "test_check and not boundaries")
+    r.assert_outcomes(failed=1)
+    out = r.stdout.str()
+    assert "dkv: shape" in out and "1e+09" not in out and "Highest target score" not in out
+
+
 def test_database_never_defaults_into_the_package(tmp_path, monkeypatch):
     monkeypatch.delenv("SMQA_DATABASE", raising=False)
     monkeypatch.delenv("SMQA_BACKEND", raising=False)

@@ -1,6 +1,8 @@
 """The conformance table: one row per suite test from pytest's reports, printed and written as JSON.
 
-check | backend | cases | worst error vs allowed | verdict, then the boundary classes covered per backend.
+check | backend | cases | worst error vs allowed | verdict, then the boundary classes covered per backend. The
+worst cell shows one measure, whose error / allowed is its ratio: the whole tensor's, or its worst row's (with the
+row's index) where that row's ratio is the larger.
 """
 
 from __future__ import annotations
@@ -84,16 +86,21 @@ def _worst_text(row: dict) -> str:
     if w.get("ratio") is None:
         reason = w.get("reason", "failed")
         return reason if len(reason) <= 60 else reason[:57] + "..."
-    if "tensor" in w:
-        return f"{w['tensor']} {w['error']:.3g} / {w['allowed']:.3g} ({w['ratio']:.2f})"
-    return f"ratio {w['ratio']:.2f}"
+    if "tensor" not in w:
+        return f"ratio {w['ratio']:.2f}"
+    kind = w.get("measure", "whole")
+    if kind == "bitwise":
+        return f"{w['tensor']} bitwise equal"
+    where = f" row {tuple(w.get('row', ()))}" if kind.startswith("row") else ""
+    unit = " ulps" if kind.endswith("ulps") else ""
+    return f"{w['tensor']}{where} {w['error']:.3g}{unit} / {w['allowed']:.3g} ({w['ratio']:.2f})"
 
 
 def format_table(rows: list[dict], timing: dict | None = None) -> str:
     """check | backend | cases | worst error vs allowed | verdict, then per backend the compile and check time,
     the boundary classes covered and those its domain cannot reach."""
     verdict = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR"}
-    table = [("check", "backend", "cases", "worst error / allowed (ratio)", "verdict")]
+    table = [("check", "backend", "cases", "worst: tensor [row] error / allowed (ratio)", "verdict")]
     rows = merged(rows)
     for r in sorted(rows, key=lambda r: (r["backend"], r["check"])):
         v = verdict.get(r["outcome"], r["outcome"].upper())
@@ -114,7 +121,7 @@ def format_table(rows: list[dict], timing: dict | None = None) -> str:
                           {r["backend"] for r in rows if r.get("tiles")}):
         lines += ["", f"warning: {backend} declares no tiles: its cases were drawn near the common tile sizes "
                       f"{', '.join(map(str, COMMON_TILES))} (declare tiles = {{'head_group': .., 'query_chunk': .., "
-                      "'topk_block': ..}} to test yours)"]
+                      "'topk_block': ..} to test yours)"]
     for backend, labels in coverage(rows).items():
         if not labels:
             continue
