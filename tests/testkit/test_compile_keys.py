@@ -120,6 +120,18 @@ def test_a_ci_run_compiles_at_most_its_budget_and_covers_every_class(compiling, 
     assert "time on compiling:Compiling: warm-up" in out.out and "[smqa] warm-up compiling:Compiling:" in out.err
 
 
+def test_a_compile_keyed_backend_draws_its_pool_after_pytest_starts(compiling, pytester, monkeypatch):
+    """The pool's cases are drawn where Hypothesis expects draws (after its plugin's initialization): no
+    HypothesisSideeffectWarning, with the backend named on the command line (validated at session start)."""
+    monkeypatch.setenv("SMQA_MAX_EXAMPLES", "2")
+    monkeypatch.delenv("SMQA_PROFILE", raising=False)
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--pyargs", "sparse_mqa_testkit.property_tests",
+                                      "--smqa-backend", "compiling:Compiling", "-k", "tolerance and not forward")
+    r.assert_outcomes(passed=2)
+    out = r.stdout.str() + r.stderr.str()
+    assert "[smqa] warm-up compiling:Compiling: " in out and "HypothesisSideeffectWarning" not in out
+
+
 def test_a_bug_planted_in_one_boundary_class_is_found(compiling, capfd, monkeypatch):
     monkeypatch.setenv("SMQA_MAX_EXAMPLES", "5")
     assert cli.main(["--backend", "compiling:PlantedAboveTile", "--profile", "ci", "--check", "tolerance"]) == 1

@@ -163,7 +163,7 @@ def smqa_backend(request):
     spec = state.specs[name]
     if spec.device != "cpu" and not torch.cuda.is_available():
         no_gpu(request.config, f"backend {name!r} (device {spec.device})")
-    plan = state.plans[name]
+    plan = state.plan(name)
     if not plan.compile and state.pool_used:
         done = warm_up(plan)  # each pooled kernel key compiled once, before any check, timed apart from them
         keys = f"{done['keys']} pooled kernel keys" if done["keys"] else "no compile keys declared"

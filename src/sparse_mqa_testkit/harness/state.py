@@ -25,9 +25,10 @@ _KEY = pytest.StashKey["SuiteState"]()
 class SuiteState:
     """names: the backends as the run gave them (a registered name or module:attr). After ``selected``:
     profile and its Hypothesis ``settings``, size ``limits``, compile ``budget``, the ``checks`` asked for, the
-    loaded ``specs`` and their ``plans`` by name, and ``missing`` (name -> why its package is absent, with
-    --smqa-allow-missing). Collected along the run: ``reports`` (the suite tests'), ``compile`` (warm-up per
-    backend), ``drawn`` (smqa_case's cases), ``workers`` (xdist workers and their GPUs)."""
+    loaded ``specs`` and their ``plans`` by name (each made on first use, ``plan``), and ``missing`` (name -> why
+    its package is absent, with --smqa-allow-missing). Collected along the run: ``reports`` (the suite tests'),
+    ``compile`` (warm-up per backend), ``drawn`` (smqa_case's cases), ``workers`` (xdist workers and their
+    GPUs)."""
 
     names: list[str] | None = None
     given_as: str = "--smqa-backend "  # where the names came from, as an error message names it
@@ -50,8 +51,16 @@ class SuiteState:
         """The name the run gave a loaded backend object."""
         return next(n for n, s in self.specs.items() if s.backend is backend)
 
+    def plan(self, name: str) -> Plan:
+        """A loaded backend's plan, made on first use: its pool's cases are drawn by Hypothesis, which expects
+        no draws while pytest starts (plugins, conftest, session start)."""
+        if name not in self.plans:
+            self.plans[name] = plan_backend(self.specs[name], profile=self.profile, budget=self.budget,
+                                            limits=self.limits)
+        return self.plans[name]
+
     def plan_of(self, backend) -> Plan:
-        return self.plans[self.name_of(backend)]
+        return self.plan(self.name_of(backend))
 
 
 def backend_names(config) -> tuple[list[str], str]:
@@ -127,8 +136,8 @@ def _load(config, state: SuiteState, name: str, profile: str, given: str) -> Non
     except Exception as e:  # a broken backend module is an error, with where it broke: never a skip
         raise pytest.UsageError(f"{given}: loading it raised {exception_summary(e, frames=6)}") \
             from None
-    try:
-        state.plans[name] = plan_backend(spec, profile=profile, budget=state.budget, limits=state.limits)
+    try:  # what its plan would refuse, found without drawing; the plan itself is made on first use
+        plan_backend(spec, profile=profile, budget=state.budget, limits=state.limits, draws=0)
     except ValueError as e:
         raise pytest.UsageError(f"{given}: {e}") from None
     state.specs[name] = spec
