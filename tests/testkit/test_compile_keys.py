@@ -5,12 +5,13 @@ bug planted in one class)."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import json
 
 import pytest
 
-from sparse_mqa_testkit import BackendBase
+from sparse_mqa_testkit import BackendBase, Case
 from sparse_mqa_testkit.cases import planning
 from sparse_mqa_testkit.cases.boundaries import explicit_examples
 from sparse_mqa_testkit.cases.compile_keys import DEFAULT_BUDGET, CompileKey, key_of, resolve
@@ -81,6 +82,35 @@ def test_drawn_cases_stay_inside_the_pool_and_free_fields_vary():
     seen = {label for c in plan.boundaries.examples for label in case_events(c, Keyed.tiles)}
     assert set(plan.boundaries.classes) <= seen
     assert {"L below tile", "L on tile", "L above tile", "H on tile", "topk random", "L > Skv"} <= seen
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(Case)])
+def test_every_case_field_can_be_a_compile_key(field):
+    """Whatever a kernel specialises on, Case fields added later included: the pool fixes the field, drawn cases
+    keep it inside the pool, and the other fields stay free."""
+    keyed = Keyed()
+    keyed.compile_keys = (field,)
+    (key,) = resolve(keyed)
+    need = len({key_of(c, (key,)) for c in explicit_examples(keyed, max_work=1_500_000).examples})
+    plan = planning.plan_backend(keyed, profile="ci", budget=need + 2, draws=60)
+    assert need <= len(plan.pool) <= need + 2
+    drawn = draw_examples(cases_for(keyed, pool=plan.pool), 60)
+    assert {key_of(c, (key,)) for c in drawn} <= set(plan.pool.values), field
+    free = "seed" if field != "seed" else "S"
+    assert len({getattr(c, free) for c in drawn}) > 3
+
+
+def test_sm_scale_as_a_compile_key_fixes_the_drawn_scales():
+    keyed = Keyed()
+    keyed.compile_keys = ("H", "sm_scale", CompileKey("scale_given", "sm_scale", lambda v: v is not None))
+    plan = planning.plan_backend(keyed, profile="ci", budget=12)
+    scales = {v[1] for v in plan.pool.values}
+    assert len(scales) == 3  # None, 0.5 and 1/sqrt(192): each a kernel of its own
+    for entry, values in zip(plan.pool.entries, plan.pool.values):
+        assert entry["sm_scale"] == (values[1],)  # a float is fixed to the value the pool drew
+    drawn = draw_examples(cases_for(keyed, pool=plan.pool), 200)
+    assert {key_of(c, plan.pool.keys) for c in drawn} <= set(plan.pool.values)
+    assert {c.sm_scale for c in drawn} == scales
 
 
 def test_nightly_rotates_the_pool(monkeypatch):

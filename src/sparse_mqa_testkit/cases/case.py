@@ -28,6 +28,10 @@ PATTERNS = ("random", "local", "hot")
 # span 2^+-20 across rows (with the local pattern, dkv's rows too)
 MAGNITUDES = ("unit", "spread")
 SPREAD_BITS = 20
+# each field that takes one of a few modes, with them (what a case validates, and what a compile key on the field
+# ranges over)
+MODES = {"sink": SINK_MODES, "topk": TOPK_MODES, "invalid": INVALID_MODES, "order": ORDERS,
+         "empty_lse": EMPTY_LSE_MODES, "pattern": PATTERNS, "magnitude": MAGNITUDES}
 LARGE = 1 << 26  # q elements past which a case's tensors are drawn by torch on its device (tensors.case_tensors)
 
 
@@ -60,9 +64,7 @@ class Case:
                 raise ValueError(f"Case.{name} must be an int >= 1, got {v!r}")
         if self.Dv > self.Dqk:
             raise ValueError(f"Case.Dv must be <= Dqk = {self.Dqk}, got {self.Dv}")
-        for name, allowed in (("sink", SINK_MODES), ("topk", TOPK_MODES), ("invalid", INVALID_MODES),
-                              ("order", ORDERS), ("empty_lse", EMPTY_LSE_MODES), ("pattern", PATTERNS),
-                              ("magnitude", MAGNITUDES)):
+        for name, allowed in MODES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Case.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

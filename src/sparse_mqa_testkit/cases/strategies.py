@@ -108,8 +108,10 @@ def cases(draw, *, dims=None, tiles: dict | None = None, max_b: int = 2, max_s: 
     tiles = dict(tiles or {})
     hg, qc, tb = tiles.get("head_group"), tiles.get("query_chunk"), tiles.get("topk_block")
     fixed = draw(st.sampled_from(pool.entries)) if pool else {}
+    picked = set()
 
     def pick(field, strategy):
+        picked.add(field)
         return draw(st.sampled_from(fixed[field]) if field in fixed else strategy)
 
     dqk, dv = pick("dims", st.sampled_from(tuple(dims or SMALL_DIMS)))
@@ -134,17 +136,20 @@ def cases(draw, *, dims=None, tiles: dict | None = None, max_b: int = 2, max_s: 
     skv = pick("Skv", st.integers(1, max_skv))
     case = Case(
         B=b, S=s, Skv=skv, H=h, L=l_, Dqk=dqk, Dv=dv,
-        sm_scale=draw(st.sampled_from([None, 0.5, 1.0 / 192**0.5])),
+        sm_scale=pick("sm_scale", st.sampled_from([None, 0.5, 1.0 / 192**0.5])),
         sink=pick("sink", st.sampled_from(tuple(sink_modes))),
         topk=pick("topk", st.sampled_from(tuple(topk_modes))),
-        invalid=draw(st.sampled_from(tuple(invalid_modes))),
-        duplicates=draw(st.booleans()),
-        order=draw(st.sampled_from(ORDERS)),
-        empty_lse=draw(st.sampled_from(EMPTY_LSE_MODES)),
-        pattern=draw(st.sampled_from(PATTERNS)),
-        magnitude=draw(st.sampled_from(MAGNITUDES)),
-        seed=draw(st.integers(0, 2**32 - 1)),
+        invalid=pick("invalid", st.sampled_from(tuple(invalid_modes))),
+        duplicates=pick("duplicates", st.booleans()),
+        order=pick("order", st.sampled_from(ORDERS)),
+        empty_lse=pick("empty_lse", st.sampled_from(EMPTY_LSE_MODES)),
+        pattern=pick("pattern", st.sampled_from(PATTERNS)),
+        magnitude=pick("magnitude", st.sampled_from(MAGNITUDES)),
+        seed=pick("seed", st.integers(0, 2**32 - 1)),
     )
+    rest = {f: draw(st.sampled_from(v)) for f, v in fixed.items() if f not in picked}
+    if rest:  # a field the pool fixes that is drawn above without pick(): the pool's value still holds
+        case = case.replace(**rest)
     return _emit(case, tiles)
 
 
