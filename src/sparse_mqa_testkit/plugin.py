@@ -43,6 +43,7 @@ from .harness.fixtures import (  # noqa: F401
     smqa_oracle,
     smqa_plan,
     smqa_scale_case,
+    uses_suite,
 )
 from .harness.recording import PROPERTY
 from .harness.state import run_state, selected
@@ -154,10 +155,6 @@ def _scale_pairs(config, names) -> list[tuple]:
             for c in tier_cases(state.specs[n], profile, seed)] or [(n, None) for n in names]
 
 
-def _uses_suite(item) -> bool:
-    return any(f in getattr(item, "fixturenames", ()) for f in SUITE_FIXTURES)
-
-
 def _is_suite(item) -> bool:
     return getattr(item, "module", None) is not None and item.module.__name__.startswith(SUITE_PACKAGE + ".")
 
@@ -174,7 +171,7 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason=NO_GPU.format(what="this test"))  # reported at the test, not here
         for item in gpu_items:
             item.add_marker(skip)
-    if not any(_uses_suite(i) for i in items):
+    if not any(uses_suite(i) for i in items):
         return
     try:
         state = selected(config)
@@ -223,9 +220,10 @@ def _skip_if_not_applicable(item, state, params) -> None:
 def pytest_collection_finish(session):
     # the compile pool is warmed up only for a run with tests that draw from it (not the scale tier alone);
     # here, after every plugin's deselection (-k included)
-    if any(_uses_suite(i) for i in session.items):
+    if any(uses_suite(i) for i in session.items):
+        run_state(session.config).collected = [i.nodeid for i in session.items if uses_suite(i)]
         run_state(session.config).pool_used = any(
-            _uses_suite(i) and i.get_closest_marker("smqa_scale") is None for i in session.items)
+            uses_suite(i) and i.get_closest_marker("smqa_scale") is None for i in session.items)
 
 
 def _argnames(marker) -> list[str]:
@@ -262,4 +260,4 @@ def pytest_sessionfinish(session, exitstatus):
         session.config.workeroutput["smqa_gpu"] = report.worker_gpu()
         session.config.workeroutput["smqa_compile"] = run_state(session.config).compile
         return
-    report.write(session.config, exitstatus)
+    report.write(session.config, exitstatus, final=True)

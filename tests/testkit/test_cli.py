@@ -208,10 +208,56 @@ def test_a_main_job_that_checked_nothing_fails(tmp_path, monkeypatch, capfd):
         "from sparse_mqa_testkit.backends.reference import ReferenceBackend\n"
         "class OnGpu(ReferenceBackend):\n    name = 'ongpu'\n    def __init__(self):\n"
         "        self.device = 'cuda'\n")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the child sees no GPU, whatever this machine has
     assert cli.main(["--backend", "gpuonly:OnGpu", "--check", "guards"]) == 1
     assert "nothing was checked: backend 'gpuonly:OnGpu' (device cuda) needs a CUDA GPU" in capfd.readouterr().out
+
+
+HANGS = '''
+import time
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class Hangs(ReferenceBackend):
+    """dq doubled (the first check fails at once); a forward that never returns (the next one never ends)."""
+    name = "hangs"
+    def backward(self, *args, **kwargs):
+        dq, dkv, ds = super().backward(*args, **kwargs)
+        return dq * 2, dkv, ds
+    def forward(self, *args, **kwargs):
+        while True:
+            time.sleep(0.1)
+'''
+
+
+@pytest.mark.skipif(__import__("shutil").which("timeout") is None, reason="needs coreutils' timeout")
+def test_a_run_stopped_by_timeout_leaves_what_finished(tmp_path):
+    """`timeout -s TERM N sparse-mqa-check ... --json F`: the finished check's verdict and replay line were
+    printed as it finished, and F is marked interrupted with that check complete and the others listed."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "hangs.py").write_text(HANGS)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    path = tmp_path / "F.json"
+    proc = subprocess.run(["timeout", "-s", "TERM", "25", sys.executable, "-m", "sparse_mqa_testkit", "--backend",
+                           "hangs:Hangs", "--profile", "ci", "--json", str(path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 124, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "[smqa] FAIL test_check_boundaries[hangs:Hangs-tolerance]: 1 cases" in out
+    assert "  replay: sparse-mqa-check --backend hangs:Hangs --check tolerance --replay \"Case(" in out
+    assert "sparse-mqa-check: INTERRUPTED (by SIGTERM" in out and "unfinished (10): " in out
+    data = json.loads(path.read_text())
+    assert data["status"] == "interrupted"
+    (row,) = data["rows"]
+    assert row["check"] == "tolerance" and row["outcome"] == "failed" and row["cases"] == 1
+    assert row["failure"]["repro"].startswith("sparse-mqa-check --backend hangs:Hangs --check tolerance")
+    assert row["coverage"] and row["worst"]["tensor"] == "dq"
+    unfinished = data["unfinished"]
+    assert len(unfinished) == 10 and row["nodeid"] not in unfinished
+    assert any("test_check_boundaries[hangs:Hangs-forward_tolerance]" in n for n in unfinished)
 
 
 def test_list_backends_says_where_each_comes_from_and_whether_it_loads(capsys):

@@ -257,3 +257,8 @@ def smqa_oracle():
     return Oracle()
 
 SUITE_FIXTURES = ("smqa_backend", "smqa_case", "smqa_checks", "smqa_check", "smqa_scale_case")
+
+
+def uses_suite(item) -> bool:
+    """The test takes one of the suite's fixtures (it has a row in the conformance table)."""
+    return any(f in getattr(item, "fixturenames", ()) for f in SUITE_FIXTURES)

@@ -43,7 +43,11 @@ def add_options(parser) -> None:
                 help="a backend that declares compile_keys compiles at most N kernel keys in the run (default "
                      "$SMQA_COMPILE_BUDGET, else 8 / 16 / 32 for dev / ci / nightly)")
     g.addoption("--smqa-json", default=None, metavar="PATH",
-                help="write the conformance table (per test: cases, worst ratio, coverage, failure) as JSON")
+                help="write the conformance table (per test: cases, worst ratio, coverage, failure) as JSON, "
+                     "rewritten as results arrive; a run ended by SIGINT or SIGTERM writes what finished, marked "
+                     "interrupted, with the tests that did not finish")
+    g.addoption("--smqa-verdicts", action="store_true",
+                help="print each suite test's verdict line (and a failure's replay line) as it finishes")
     g.addoption("--smqa-require-gpu", action="store_true",
                 help="fail gpu-marked tests and CUDA backends when CUDA is absent instead of skipping them")
     g.addoption("--smqa-allow-missing", action="store_true",

@@ -26,7 +26,8 @@ class SuiteState:
     """names: the backends as the run gave them (a registered name or module:attr). After ``selected``:
     profile and its Hypothesis ``settings``, size ``limits``, compile ``budget``, the ``checks`` asked for, the
     loaded ``specs`` and their ``plans`` by name (each made on first use, ``plan``), and ``missing`` (name -> why
-    its package is absent, with --smqa-allow-missing). Collected along the run: ``reports`` (the suite tests'),
+    its package is absent, with --smqa-allow-missing). Collected along the run: ``collected`` (the suite tests'
+    node ids), ``reports`` (the suite tests'),
     ``compile`` (warm-up per backend), ``drawn`` (smqa_case's cases), ``workers`` (xdist workers and their
     GPUs)."""
 
@@ -42,6 +43,7 @@ class SuiteState:
     plans: dict[str, Plan] = field(default_factory=dict)
     missing: dict[str, str] = field(default_factory=dict)
     pool_used: bool = True
+    collected: list = field(default_factory=list)  # the node ids of the suite tests the run will run
     reports: list = field(default_factory=list)
     compile: dict = field(default_factory=dict)
     drawn: dict = field(default_factory=dict)

@@ -8,6 +8,7 @@ row's index) where that row's ratio is the larger.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from ..cases.strategies import COMMON_TILES
@@ -55,8 +56,12 @@ def timings(rows: list[dict], compile: dict) -> dict:
 
 
 def write_json(path, rows: list[dict], **meta) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({**meta, "rows": rows, "coverage": coverage(rows)}, indent=1))
+    """The rows and their coverage as JSON, replaced in one step (a reader, or a kill, never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**meta, "rows": rows, "coverage": coverage(rows)}, indent=1))
+    os.replace(tmp, path)
 
 
 def merged(rows: list[dict]) -> list[dict]:
@@ -94,6 +99,19 @@ def _worst_text(row: dict) -> str:
     where = f" row {tuple(w.get('row', ()))}" if kind.startswith("row") else ""
     unit = " ulps" if kind.endswith("ulps") else ""
     return f"{w['tensor']}{where} {w['error']:.3g}{unit} / {w['allowed']:.3g} ({w['ratio']:.2f})"
+
+
+def verdict_line(row: dict) -> str:
+    """One finished suite test as a line: verdict, test, cases, the worst measure, seconds; then a failure's replay
+    line."""
+    verdict = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR"}.get(row["outcome"],
+                                                                                          row["outcome"].upper())
+    name = row["nodeid"].rpartition("::")[2]
+    tail = f" ({row['reason']})" if row.get("reason") else f", {_worst_text(row)}"
+    line = f"[smqa] {verdict} {name}: {row['cases']} cases{tail}, {row.get('duration', 0.0):.1f} s"
+    if row.get("failure"):
+        line += f"\n  replay: {row['failure']['repro']}"
+    return line
 
 
 def format_table(rows: list[dict], timing: dict | None = None) -> str:

@@ -107,6 +107,9 @@ def main(argv=None) -> int:
         print(f"sparse-mqa-check: nothing was checked: {'; '.join(reasons)}")
         rc = 1
     verdict = "FAIL" if rc != 0 else "PASS"
+    if data.get("status") == "interrupted":
+        verdict = f"INTERRUPTED (by {data.get('stopped_by', 'a signal')}; what finished is above"
+        verdict += f" and in {args.json})" if args.json else ")"
     if not data:  # the suite never started (a usage error, a backend that did not load): the child said why
         print(f"sparse-mqa-check: {verdict}: the suite did not run on backend {', '.join(backends)} (pytest exit "
               f"status {rc}, see above), {time.monotonic() - t0:.0f} s")
@@ -120,6 +123,9 @@ def main(argv=None) -> int:
     for r in failed:
         if r.get("failure"):
             print(f"  replay: {r['failure']['repro']}{_ratios(r['failure'])}")
+    if data.get("status") == "interrupted":
+        unfinished = [n.rpartition("::")[2] for n in data.get("unfinished", [])]
+        print(f"  unfinished ({len(unfinished)}): {', '.join(unfinished) or 'none'}")
     return rc
 
 

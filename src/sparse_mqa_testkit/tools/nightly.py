@@ -36,7 +36,7 @@ def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None
     ledger = Path(ledger or out / "ledger.json")
     start = time.monotonic()
     deadline = start + budget
-    n, rounds, examples, failed_rows, last_round = FIRST_ROUND, 0, 0, [], 0.0
+    n, rounds, examples, failed_rows, last_round, stopped = FIRST_ROUND, 0, 0, [], 0.0, 0
     classes: dict = {}  # backend -> check -> label -> {"n", "max_ratio"}
     print(f"[nightly] backends {', '.join(backends)}; budget {budget:.0f} s; database {database}; out {out}",
           flush=True)
@@ -60,8 +60,13 @@ def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None
         print(f"[nightly] round {rounds}: {n} examples/test, {cases} cases in {last_round:.0f} s; total "
               f"{examples} cases, {len(failed_rows)} failures, {max(0.0, deadline - time.monotonic()):.0f} s left",
               flush=True)
+        if data.get("status") == "interrupted":  # a signal or the time limit: what finished still counts
+            stopped = rc
+            print(f"[nightly] round {rounds} interrupted ({data.get('stopped_by', 'a signal')}): "
+                  f"{len(data.get('unfinished', []))} tests unfinished", flush=True)
+            break
         if rc != 0:
-            if not failed_rows:  # pytest itself failed (usage error, crash, timeout): report it as a failure
+            if not failed_rows:  # pytest itself failed (usage error, crash): report it as a failure
                 failed_rows = [{"check": "suite", "backend": ",".join(backends), "nodeid": "-",
                                 "failure": None, "outcome": f"pytest exit status {rc}"}]
             break
@@ -73,9 +78,10 @@ def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None
         print(f"[nightly] FAILURE {row['check']} on {row['backend']}: reproducer {path}", flush=True)
     append_ledger(ledger, classes, backends=backends, profile=profile, budget=budget, elapsed=elapsed,
                   rounds=rounds, examples=examples, failures=len(failed_rows))
-    print(f"[nightly] {'FAIL' if failed_rows else 'PASS'}: {rounds} rounds, {examples} cases, "
+    verdict = "FAIL" if failed_rows else "INTERRUPTED" if stopped else "PASS"
+    print(f"[nightly] {verdict}: {rounds} rounds, {examples} cases, "
           f"{len(failed_rows)} failures in {elapsed:.0f} s; ledger {ledger}", flush=True)
-    return 1 if failed_rows else 0
+    return 1 if failed_rows else stopped
 
 
 def nightly_database(spec, out: Path) -> str:
