@@ -17,8 +17,9 @@ Fixtures (``harness.fixtures``): ``smqa_backend``, ``smqa_plan``, ``smqa_case``,
 ``smqa_check`` (the test parametrized over ``checks.CHECKS``), ``smqa_scale_case``. Every test that takes one of
 them gets a row in the conformance table.
 
-xdist: ``-n auto`` starts one worker per visible GPU (the CPU count without CUDA), and each worker pins its own
-GPU through ``CUDA_VISIBLE_DEVICES`` in ``pytest_configure``, before CUDA is initialised.
+xdist (``harness.gpu_workers``): ``-n auto`` starts one worker per visible GPU plus CPU workers (the CPU count
+without CUDA); each pins a GPU through ``CUDA_VISIBLE_DEVICES`` in ``pytest_configure``, before CUDA starts, and
+the tests that need a GPU run on the GPU workers only.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .harness.fixtures import (  # noqa: F401
     no_gpu,
     recorded,
     recorder,
+    say,
     smqa_backend,
     smqa_bind,
     smqa_case,
@@ -61,6 +63,8 @@ def pytest_configure(config):
     if winput is not None and winput.get("smqa_gpus"):
         # first thing in the worker: CUDA must not have started yet
         gpu_workers.pin(winput.get("workerid", ""), list(winput["smqa_gpus"]))
+        if winput.get("smqa_route"):
+            config.option.loadgroup = True  # xdist then tags each test's node id with its group
     for line in ("gpu: needs a CUDA GPU (skipped with the reason when CUDA is absent)",
                  "slow: long-running",
                  "smqa_cases(n): number of drawn cases the smqa_case fixture is parametrized with",
@@ -91,6 +95,17 @@ def pytest_xdist_auto_num_workers(config):
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     node.workerinput["smqa_gpus"] = _controller_gpus(node.config)
+    node.workerinput["smqa_route"] = _routes(node.config)
+
+
+def _routes(config) -> bool:
+    """GPU tests go to GPU workers: with GPUs and xdist's default per-test distribution."""
+    return bool(_controller_gpus(config)) and config.getoption("dist", "no") == "load"
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    return gpu_workers.make_scheduler(config, log, _controller_gpus(config)) if _routes(config) else None
 
 
 def _controller_gpus(config) -> list[str]:
@@ -165,7 +180,9 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which adds each test's xdist_group to its node id
 def pytest_collection_modifyitems(config, items):
+    gpu_workers.tag_gpu_tests(config, items)
     gpu_items = [i for i in items if i.get_closest_marker("gpu") is not None]
     if gpu_items and not config.getoption("smqa_require_gpu") and not _cuda_available():
         skip = pytest.mark.skip(reason=NO_GPU.format(what="this test"))  # reported at the test, not here
@@ -233,6 +250,7 @@ def _argnames(marker) -> list[str]:
 
 # ---- running and reporting ------------------------------------------------------------------------------------
 def pytest_runtest_setup(item):
+    gpu_workers.before_first_test(item.config, say(item.config))
     if item.get_closest_marker("gpu") is not None and not _cuda_available():
         no_gpu(item.config, "this test")
 

@@ -24,6 +24,7 @@ class BackendSpec:
     has_forward: bool
     compile_keys: tuple
     default_for: str | None
+    sanitize_kernels: str | None = None  # a substring of its kernels' names: what compute-sanitizer racechecks
 
     @classmethod
     def of(cls, backend) -> "BackendSpec":
@@ -38,7 +39,8 @@ class BackendSpec:
                    dims=None if dims is None else tuple(tuple(d) for d in dims),
                    has_forward=callable(getattr(backend, "forward", None)),
                    compile_keys=tuple(getattr(backend, "compile_keys", None) or ()),
-                   default_for=getattr(backend, "default_for", None))
+                   default_for=getattr(backend, "default_for", None),
+                   sanitize_kernels=getattr(backend, "sanitize_kernels", None) or None)
 
     @property
     def is_cuda(self) -> bool:
@@ -68,6 +70,13 @@ class BackendSpec:
 
     @property
     def precompile(self):
-        """Its optional ``precompile(directory)``, or None."""
+        """Its optional ``precompile(directory[, jobs])``, or None."""
         fn = getattr(self.backend, "precompile", None)
         return fn if callable(fn) else None
+
+    def precompile_into(self, directory, jobs: int = 1) -> list:
+        """Its ``precompile`` into ``directory`` (which must exist), by ``jobs`` processes when it takes ``jobs``."""
+        fn = self.precompile
+        if "jobs" in inspect.signature(fn).parameters:
+            return list(fn(directory, jobs=jobs))
+        return list(fn(directory))

@@ -15,6 +15,7 @@ and the boundary classes covered. Exit status: 0 when every check passed, non-ze
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import sys
 import time
@@ -63,6 +64,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--precompile", metavar="DIR",
                     help="compile every kernel variant of the named backends (default: every installed backend "
                          "that can) into the cache directory DIR")
+    ap.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="--precompile: compile with N processes, for a backend whose precompile takes jobs")
     ap.add_argument("--budget", type=float, metavar="SECONDS", help="nightly: search for this long")
     ap.add_argument("--out", metavar="DIR", help="nightly: reproducers, round logs and the ledger go here")
     ap.add_argument("--ledger", metavar="PATH", help="nightly: JSON ledger of ratios per boundary class "
@@ -83,7 +86,7 @@ def main(argv=None) -> int:
     if args.compile_budget is not None:
         extra = ["--smqa-compile-budget", str(args.compile_budget), *extra]
     if args.precompile:
-        return precompile(args.precompile, args.backend)
+        return precompile(args.precompile, args.backend, args.jobs)
     backends = args.backend or [_default_backend()]
     if args.sanitize:
         return sanitize(backends, args.sanitize, args.profile, args.replay)
@@ -220,21 +223,24 @@ def sanitize(backends, tools: str, profile, replay_expr=None) -> int:
             cases = [case]
         else:
             prof = profile_name(profile)
-            cases = list(plan_backend(backend, profile=prof, budget=compile_budget(None, prof)).boundaries.examples)
+            plan = plan_backend(backend, profile=prof, budget=compile_budget(None, prof), draws=0)
+            cases = list(plan.boundaries.examples)
         status = san.run(name, cases, chosen)
         rc = 1 if 1 in (rc, status) else max(rc, status)
     return rc
 
 
-def precompile(directory, names=None) -> int:
+def precompile(directory, names=None, jobs: int = 1) -> int:
     """Compile every kernel variant of each backend (``names``, else every installed one that has a
-    ``precompile(directory)``) into the cache ``directory``; works on a machine without a GPU."""
+    ``precompile(directory)``) into the cache ``directory``, by ``jobs`` processes where the backend takes them;
+    works on a machine without a GPU."""
     where = Path(directory).resolve()
     where.mkdir(parents=True, exist_ok=True)
     rc, total = 0, 0
     for name in names or available_backends():
         try:
-            fn = BackendSpec.of(get_backend(name)).precompile
+            spec = BackendSpec.of(get_backend(name))
+            fn = spec.precompile
         except Exception as e:
             print(f"{name}: cannot be loaded ({type(e).__name__}: {e}); its kernels were NOT precompiled")
             rc = 1
@@ -245,13 +251,14 @@ def precompile(directory, names=None) -> int:
             continue
         t0 = time.monotonic()
         try:
-            variants = list(fn(where))
+            variants = spec.precompile_into(where, jobs)
         except Exception as e:  # one backend's failure must not stop the others' caches from filling
             print(f"{name}: precompile() failed after {time.monotonic() - t0:.1f} s: {type(e).__name__}: {e}")
             rc = 1
             continue
         total += len(variants)
-        print(f"{name}: {len(variants)} kernel variants compiled in {time.monotonic() - t0:.1f} s")
+        by = f" by {jobs} processes" if jobs > 1 and "jobs" in inspect.signature(fn).parameters else ""
+        print(f"{name}: {len(variants)} kernel variants compiled in {time.monotonic() - t0:.1f} s{by}")
         for v in variants:
             print(f"  {v}")
     print(f"cache {where}: {total} variants{'' if rc == 0 else ' (incomplete, see above)'}")
