@@ -21,10 +21,10 @@ from . import bwd_plan, fwd_plan
 
 
 def variants() -> list[tuple[str, object]]:
-    """Every variant as (kind, key): the backward's first (the longest compiles), then the prep pass's and the
-    forward's."""
-    return ([("backward", k) for k in bwd_plan.all_variants()] + [("prep", d) for d in contract.PRODUCTION_DIMS]
-            + [("forward", k) for k in fwd_plan.all_variants()])
+    """Every variant as (kind, key), the longest compiles first so a pool ends together: the forward's, the
+    backward's, the prep pass's."""
+    return ([("forward", k) for k in fwd_plan.all_variants()] + [("backward", k) for k in bwd_plan.all_variants()]
+            + [("prep", d) for d in contract.PRODUCTION_DIMS])
 
 
 def describe(task) -> str:

@@ -88,6 +88,11 @@ class Crashes(ReferenceBackend):
     name = "crashes"
     def precompile(self, directory):
         return 1 / 0
+
+class InParallel(ReferenceBackend):
+    name = "in-parallel"
+    def precompile(self, directory, jobs=1):
+        return [f"fwd h64 sm_90a by {jobs} processes"]
 '''
 
 
@@ -106,6 +111,12 @@ def test_precompile_reports_each_backend_and_lists_variants(tmp_path, monkeypatc
     assert "reference: has no precompile(): nothing to compile ahead" in out and "(incomplete, see above)" in out
     assert "precompiling:Crashes: precompile() failed" in out and "ZeroDivisionError" in out
     assert "precompiling:Compiles: 2 kernel variants compiled" in out  # still compiled after the crash
+    # --jobs reaches a backend whose precompile takes jobs (and only such a backend is said to use them)
+    assert cli.main(["--precompile", str(cache), "--jobs", "3", "--backend", "precompiling:InParallel",
+                     "--backend", "precompiling:Compiles"]) == 0
+    out = capsys.readouterr().out
+    assert "fwd h64 sm_90a by 3 processes" in out and "compiled in" in out and "s by 3 processes" in out
+    assert out.count("by 3 processes") == 2  # the variant line and its backend's line, not the other backend's
 
 
 def test_main_job_fails_on_a_broken_backend_with_table_and_json(broken, tmp_path, monkeypatch, capfd):
