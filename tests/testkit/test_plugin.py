@@ -380,7 +380,7 @@ def test_limits_are_raised_from_outside(downstream, monkeypatch):
     r.assert_outcomes(passed=1, failed=1)
 
 
-def test_the_readme_test_file_runs_as_written(downstream):
+def test_the_readme_test_file_runs_as_written(downstream, monkeypatch):
     """The complete downstream test file the README shows, verbatim, on a backend registered by module:attr."""
     import re
     from pathlib import Path
@@ -390,13 +390,17 @@ def test_the_readme_test_file_runs_as_written(downstream):
     downstream.makepyfile(test_readme=block)
     r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "test_readme.py", "--smqa-backend", "mykernels:Mine")
     r.assert_outcomes(passed=1 + 3)  # the @given test, and the by-hand test once per drawn case
-    # the same under xdist: every row the table and the JSON show passed (a passed setup is no error)
+    # the same under xdist, the backend named by $SMQA_BACKEND: every row the table and the JSON show passed (a
+    # passed setup is no error)
     out = downstream.path / "r.json"
-    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "-n", "2", "test_readme.py", "--smqa-backend",
-                                       "mykernels:Mine", "--smqa-json", str(out))
+    monkeypatch.setenv("SMQA_BACKEND", "mykernels:Mine")
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "-n", "2", "test_readme.py", "--smqa-json", str(out))
     r.assert_outcomes(passed=1 + 3)
     assert "ERROR" not in r.stdout.str()
-    assert {x["outcome"] for x in json.loads(out.read_text())["rows"]} == {"passed"}
+    data = json.loads(out.read_text())  # written by the controller, with every worker's rows
+    assert data["status"] == "finished" and not data["unfinished"]
+    # one row: the @given test's (the by-hand test runs no check of the suite)
+    assert [(x["check"], x["outcome"]) for x in data["rows"]] == [("tolerance_and_guards", "passed")]
 
 
 def test_the_scale_tier_runs_only_when_asked(downstream, monkeypatch):

@@ -16,7 +16,7 @@ import pytest
 
 from . import gpu_workers, profiles
 from .recording import PROPERTY
-from .state import SuiteState, run_state
+from .state import SuiteState, run_state, selected
 from .table import format_table, summarize, timings, verdict_line, write_json
 
 
@@ -72,9 +72,11 @@ class Reports:
             self.signals = stop_on_signals()
 
     def pytest_runtest_logreport(self, report):
+        state = run_state(self.config)
+        if report.when == "call" or not report.passed:
+            state.finished.add(report.nodeid)
         if not any(k == PROPERTY for k, _ in report.user_properties):
             return
-        state = run_state(self.config)
         state.reports.append(report)
         row = summarize([report])
         if not row:
@@ -168,13 +170,20 @@ def write(config, exitstatus, final: bool = False) -> None:
     """The JSON file of --smqa-json (controller only, once the run used the suite): ``status`` "running" while
     the run goes on, then "finished", or "interrupted" (Ctrl-C, SIGTERM); ``unfinished``: the suite tests that
     have no result."""
+    if getattr(config, "workerinput", None) is not None:
+        return  # an xdist worker sees its own tests only: the controller writes
     path = config.getoption("smqa_json")
     state = run_state(config)
+    if path and state.profile is None and state.reports:
+        try:  # an xdist controller given its backends by $SMQA_BACKEND alone has not loaded them yet
+            selected(config)
+        except pytest.UsageError:
+            pass  # the run reported it
     if path and state.profile is not None:
         rows = summarize(state.reports)
-        done = {r["nodeid"] for r in rows}
         status = "running" if not final else \
             "interrupted" if exitstatus == pytest.ExitCode.INTERRUPTED else "finished"
         write_json(path, rows, backends=state.names, profile=state.profile,
                    exitstatus=None if exitstatus is None else int(exitstatus), status=status,
-                   unfinished=[n for n in state.collected if n not in done], timing=timings(rows, state.compile))
+                   unfinished=[n for n in state.collected if n not in state.finished],
+                   timing=timings(rows, state.compile))

@@ -27,9 +27,8 @@ class SuiteState:
     profile and its Hypothesis ``settings``, size ``limits``, compile ``budget``, the ``checks`` asked for, the
     loaded ``specs`` and their ``plans`` by name (each made on first use, ``plan``), and ``missing`` (name -> why
     its package is absent, with --smqa-allow-missing). Collected along the run: ``collected`` (the suite tests'
-    node ids), ``reports`` (the suite tests'),
-    ``compile`` (warm-up per backend), ``drawn`` (smqa_case's cases), ``workers`` (xdist workers and their
-    GPUs)."""
+    node ids), ``finished`` (the tests with a result), ``reports`` (the suite tests'), ``compile`` (warm-up per
+    backend), ``drawn`` (smqa_case's cases), ``workers`` (xdist workers and their GPUs)."""
 
     names: list[str] | None = None
     given_as: str = "--smqa-backend "  # where the names came from, as an error message names it
@@ -44,6 +43,7 @@ class SuiteState:
     missing: dict[str, str] = field(default_factory=dict)
     pool_used: bool = True
     collected: list = field(default_factory=list)  # the node ids of the suite tests the run will run
+    finished: set = field(default_factory=set)  # the node ids of the tests that have a result
     reports: list = field(default_factory=list)
     compile: dict = field(default_factory=dict)
     drawn: dict = field(default_factory=dict)
