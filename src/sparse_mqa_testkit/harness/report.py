@@ -65,10 +65,11 @@ class Reports:
 
     def __init__(self, config):
         self.config = config
-        self.live = bool(config.getoption("smqa_verdicts"))
+        controller = getattr(config, "workerinput", None) is None  # under xdist, the one that gets every report
+        self.live = controller and bool(config.getoption("smqa_verdicts"))
         self.written = 0.0
         self.signals = {}
-        if getattr(config, "workerinput", None) is None and (self.live or config.getoption("smqa_json")):
+        if controller and (self.live or config.getoption("smqa_json")):
             self.signals = stop_on_signals()
 
     def pytest_runtest_logreport(self, report):
