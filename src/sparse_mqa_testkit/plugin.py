@@ -82,7 +82,7 @@ def pytest_sessionstart(session):
         selected(session.config)
 
 
-# ---- xdist: one worker per GPU, each pinned ------------------------------------------------------------------
+# ---- xdist: a worker per GPU, each pinned, and CPU workers ----------------------------------------------------
 # tryfirst: xdist's own implementation (the CPU count) is a plain firstresult hook, so which one answers would
 # otherwise depend on the order the two plugins happened to be registered in
 @pytest.hookimpl(optionalhook=True, tryfirst=True)

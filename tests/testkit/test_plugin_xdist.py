@@ -23,7 +23,7 @@ def test_one_worker_per_gpu_plus_cpu_workers_and_the_cpu_count_without():
     assert auto_num_workers(["7"], cpu_count=2, env={}) == 1 + 1  # always one CPU worker
     assert auto_num_workers(["7"], cpu_count=16, env={"SMQA_CPU_WORKERS": "0"}) == 1
     assert auto_num_workers([], cpu_count=16, env={}) is None  # xdist falls back to its CPU count
-    with pytest.raises(ValueError, match="SMQA_CPU_WORKERS must be a count"):
+    with pytest.raises(pytest.UsageError, match="SMQA_CPU_WORKERS must be a count"):
         auto_num_workers(["0"], env={"SMQA_CPU_WORKERS": "many"})
     assert [gpu_workers.is_gpu_worker(f"gw{i}", ["3", "5"]) for i in range(4)] == [True, True, False, False]
 

@@ -86,7 +86,7 @@ def cpu_workers(gpus: list[str], cpu_count: int | None = None, env: Mapping[str,
     given = env.get(CPU_WORKERS_ENV, "").strip()
     if given:
         if not given.isdigit():
-            raise ValueError(f"{CPU_WORKERS_ENV} must be a count of workers (0 or more), got {given!r}")
+            raise pytest.UsageError(f"{CPU_WORKERS_ENV} must be a count of workers (0 or more), got {given!r}")
         return int(given)
     return max(1, (cpu_count or os.cpu_count() or 2) // 2 - len(gpus))
 
