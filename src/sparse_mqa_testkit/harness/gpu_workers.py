@@ -107,7 +107,7 @@ def gpu_group(item, cuda_backends) -> str | None:
     """The xdist group of a test only a GPU worker may run: a ``gpu``-marked test by its module, a suite test on a
     CUDA backend (one of ``cuda_backends``, the run's names) by that backend; None for any other."""
     if item.get_closest_marker("gpu") is not None:
-        return f"{GROUP}:{getattr(item.module, '__name__', item.nodeid.split('::')[0])}"
+        return f"{GROUP}:{getattr(getattr(item, 'module', None), '__name__', item.nodeid.split('::')[0])}"
     backend = getattr(getattr(item, "callspec", None), "params", {}).get("smqa_backend")
     return f"{GROUP}:{backend}" if backend in cuda_backends else None
 
