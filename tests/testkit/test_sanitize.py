@@ -121,6 +121,6 @@ def test_each_case_is_shown_as_it_starts_and_a_case_past_its_limit_is_named_with
     assert options[0].endswith("--kernel-name kns=mine_")
     out = io.StringIO()
     assert sanitize.run("slowmod:SlowOnH3", cases[:2], ("memcheck",), out=out, tool_limit=15) == sanitize.NOT_RUN
-    assert re.search(r"cases [12] to 2 not reached within the 15 s limit of memcheck \(SMQA_SANITIZE_TOOL_LIMIT\): "
+    assert re.search(r"cases [12] to 2 not finished within the 15 s limit of memcheck \(SMQA_SANITIZE_TOOL_LIMIT\): "
                      "NOT sanitized", out.getvalue()), out.getvalue()
     assert "kns=" not in (tmp_path / "options.log").read_text().splitlines()[-1]  # memcheck checks every kernel

@@ -172,7 +172,7 @@ def run(backend_name: str, cases, tools=TOOLS, *, out=sys.stdout, case_limit: fl
             cmd = tool_command(tool_path, tool, kernels) + [sys.executable, "-m", "sparse_mqa_testkit.tools.sanitize",
                                                             backend_name, str(spec)]
             t0 = time.monotonic()
-            run_ = _ToolRun(f"sanitize {backend_name} {tool}", todo, out)
+            run_ = _ToolRun(backend_name, tool, todo, out)
             output, status, stopped = run_.go(cmd, env, case_limit, tool_limit)
             seconds = time.monotonic() - t0
             findings, broken = parse(output, tool)
@@ -202,8 +202,9 @@ class _ToolRun:
     case), a case past ``case_limit`` stopped and the next child started after it, the cases left past
     ``tool_limit`` named."""
 
-    def __init__(self, label: str, cases: list, out):
-        self.label, self.cases, self.out = label, cases, out
+    def __init__(self, backend_name: str, tool: str, cases: list, out):
+        self.tool, self.cases, self.out = tool, cases, out
+        self.label = f"sanitize {backend_name} {tool}"
         self.started: list[int] = []
 
     def go(self, cmd, env, case_limit, tool_limit):
@@ -233,11 +234,11 @@ class _ToolRun:
                 now = time.monotonic()
                 if current is not None and case_limit and now - since > case_limit:
                     why = (f"case {current + 1} ({self.cases[current].repro()}) ran past the {case_limit:.0f} s "
-                           f"limit per case under {self.label.split()[-1]} ({CASE_LIMIT_ENV})")
+                           f"limit per case under {self.tool} ({CASE_LIMIT_ENV})")
                 elif deadline is not None and now > deadline:
                     first = current if current is not None else start
-                    why = (f"cases {first + 1} to {len(self.cases)} not reached within the {tool_limit:.0f} s limit "
-                           f"of {self.label.split()[-1]} ({TOOL_LIMIT_ENV})")
+                    why = (f"cases {first + 1} to {len(self.cases)} not finished within the {tool_limit:.0f} s limit "
+                           f"of {self.tool} ({TOOL_LIMIT_ENV})")
                 if why:
                     proc.kill()
                     break
