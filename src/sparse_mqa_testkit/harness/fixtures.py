@@ -9,6 +9,7 @@ which every runner of the tests (pytest, HypoFuzz) performs.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from dataclasses import dataclass
 
@@ -70,7 +71,8 @@ def recorder(item) -> Recorder:
             check += "_outside_domain"
         if "smqa_case" in params:
             check += f"[case{params['smqa_case']}]"
-        test = f"{item.path}::{item.nodeid.partition('::')[2].split('[')[0]}"
+        name = re.split(r"[\[@]", item.nodeid.partition("::")[2])[0]  # without params or an xdist group
+        test = f"{item.path}::{name}"
         rec = Recorder(check=check, backend=str(params.get("smqa_backend", "?")), test=test, say=say(item.config))
         item.stash[_REC] = rec
         item.user_properties.append((PROPERTY, rec.data()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from ..cases.strategies import COMMON_TILES
@@ -106,7 +107,7 @@ def verdict_line(row: dict) -> str:
     line."""
     verdict = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR"}.get(row["outcome"],
                                                                                           row["outcome"].upper())
-    name = row["nodeid"].rpartition("::")[2]
+    name = re.sub(r"@[^\]]*$", "", row["nodeid"].rpartition("::")[2])  # without an xdist group
     tail = f" ({row['reason']})" if row.get("reason") else f", {_worst_text(row)}"
     line = f"[smqa] {verdict} {name}: {row['cases']} cases{tail}, {row.get('duration', 0.0):.1f} s"
     if row.get("failure"):

@@ -127,7 +127,7 @@ def write_reproducer(out: Path, row: dict) -> Path:
 
 
 def suite_patch(row: dict, out: Path) -> Path | None:
-    """Hypothesis's own ``@example`` patch for the test that failed, the one the row's nodeid names (the suite's
+    """Hypothesis's own ``@example`` patch for the test that failed, the one the row's ``test`` names (the suite's
     or the user's own), or None (best effort, saying why).
 
     Written here because Hypothesis cannot write it itself: the falsifying example it prints includes the
