@@ -44,6 +44,7 @@ class TileLangBackend(BackendBase):
     tiles = {**bwd_plan.TILES, "topk_block": TOPK_BY_HEADS}
     # B, S, Skv, H and L are runtime sizes; a compiled variant depends only on these
     compile_keys = ("Dqk", "Dv", "sink_given", "topk_given", CompileKey("head_group", "H", bwd_plan.head_group_for))
+    sanitize_kernels = "sparse_mqa_"  # sparse_mqa_fwd_kernel, sparse_mqa_bwd_kernel, sparse_mqa_bwd_prep_kernel
 
     def require(self) -> None:
         _require_tilelang()
@@ -85,14 +86,17 @@ class TileLangBackend(BackendBase):
             out += [fkey.describe(), bkey.describe()]
         return sorted(set(out))
 
-    def precompile(self, directory) -> list[str]:
-        """Compile every kernel variant into TileLang's cache ``directory`` (for sm_90a, without a GPU too)."""
-        if "tilelang" in sys.modules and os.environ.get("TILELANG_CACHE_DIR") != str(directory):
+    def precompile(self, directory, jobs: int = 1) -> list[str]:
+        """Compile every kernel variant into TileLang's cache ``directory`` (for sm_90a, without a GPU too), by
+        ``jobs`` processes."""
+        from . import precompile
+
+        if "tilelang" in sys.modules and os.environ.get("TILELANG_CACHE_DIR") != str(directory) and jobs <= 1:
             print("tilelang: warning: TileLang was imported before its cache directory was set; it may compile "
                   "into its old cache", file=sys.stderr)
-        os.environ["TILELANG_CACHE_DIR"] = str(directory)  # read by TileLang when it is imported
+        os.environ["TILELANG_CACHE_DIR"] = str(directory)
         _require_tilelang()
-        return self.warmup()
+        return precompile.compile_all(directory, jobs)
 
 
 class TileLangModelBackend(BackendBase):

@@ -17,8 +17,9 @@ Fixtures (``harness.fixtures``): ``smqa_backend``, ``smqa_plan``, ``smqa_case``,
 ``smqa_check`` (the test parametrized over ``checks.CHECKS``), ``smqa_scale_case``. Every test that takes one of
 them gets a row in the conformance table.
 
-xdist: ``-n auto`` starts one worker per visible GPU (the CPU count without CUDA), and each worker pins its own
-GPU through ``CUDA_VISIBLE_DEVICES`` in ``pytest_configure``, before CUDA is initialised.
+xdist (``harness.gpu_workers``): ``-n auto`` starts one worker per visible GPU plus CPU workers (the CPU count
+without CUDA); each pins a GPU through ``CUDA_VISIBLE_DEVICES`` in ``pytest_configure``, before CUDA starts, and
+the tests that need a GPU run on the GPU workers only.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .harness.fixtures import (  # noqa: F401
     no_gpu,
     recorded,
     recorder,
+    say,
     smqa_backend,
     smqa_bind,
     smqa_case,
@@ -43,9 +45,10 @@ from .harness.fixtures import (  # noqa: F401
     smqa_oracle,
     smqa_plan,
     smqa_scale_case,
+    uses_suite,
 )
 from .harness.recording import PROPERTY
-from .harness.state import BACKEND_ENV, run_state, selected
+from .harness.state import run_state, selected
 
 SUITE_PACKAGE = "sparse_mqa_testkit.property_tests"
 
@@ -60,6 +63,8 @@ def pytest_configure(config):
     if winput is not None and winput.get("smqa_gpus"):
         # first thing in the worker: CUDA must not have started yet
         gpu_workers.pin(winput.get("workerid", ""), list(winput["smqa_gpus"]))
+        if winput.get("smqa_route"):
+            config.option.loadgroup = True  # xdist then tags each test's node id with its group
     for line in ("gpu: needs a CUDA GPU (skipped with the reason when CUDA is absent)",
                  "slow: long-running",
                  "smqa_cases(n): number of drawn cases the smqa_case fixture is parametrized with",
@@ -69,19 +74,15 @@ def pytest_configure(config):
     config.pluginmanager.register(report.Reports(config), "smqa-reports")
 
 
-def _explicit(config) -> bool:
-    """The run names backends itself (option or environment): it means to use the suite."""
-    return bool(config.getoption("smqa_backend") or os.environ.get(BACKEND_ENV))
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
-    # the xdist controller collects nothing: it validates here, once, for a run that names its backends
-    if getattr(session.config, "workerinput", None) is None and _explicit(session.config):
+    # the xdist controller collects nothing: it validates here, once, for a run that names its backends on its
+    # command line (it means to use the suite); $SMQA_BACKEND alone is checked where a test uses the suite
+    if getattr(session.config, "workerinput", None) is None and session.config.getoption("smqa_backend"):
         selected(session.config)
 
 
-# ---- xdist: one worker per GPU, each pinned ------------------------------------------------------------------
+# ---- xdist: a worker per GPU, each pinned, and CPU workers ----------------------------------------------------
 # tryfirst: xdist's own implementation (the CPU count) is a plain firstresult hook, so which one answers would
 # otherwise depend on the order the two plugins happened to be registered in
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
@@ -94,6 +95,17 @@ def pytest_xdist_auto_num_workers(config):
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     node.workerinput["smqa_gpus"] = _controller_gpus(node.config)
+    node.workerinput["smqa_route"] = _routes(node.config)
+
+
+def _routes(config) -> bool:
+    """GPU tests go to GPU workers: with GPUs and xdist's default per-test distribution."""
+    return bool(_controller_gpus(config)) and config.getoption("dist", "no") == "load"
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    return gpu_workers.make_scheduler(config, log, _controller_gpus(config)) if _routes(config) else None
 
 
 def _controller_gpus(config) -> list[str]:
@@ -158,10 +170,6 @@ def _scale_pairs(config, names) -> list[tuple]:
             for c in tier_cases(state.specs[n], profile, seed)] or [(n, None) for n in names]
 
 
-def _uses_suite(item) -> bool:
-    return any(f in getattr(item, "fixturenames", ()) for f in SUITE_FIXTURES)
-
-
 def _is_suite(item) -> bool:
     return getattr(item, "module", None) is not None and item.module.__name__.startswith(SUITE_PACKAGE + ".")
 
@@ -172,13 +180,15 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which adds each test's xdist_group to its node id
 def pytest_collection_modifyitems(config, items):
+    gpu_workers.tag_gpu_tests(config, items)
     gpu_items = [i for i in items if i.get_closest_marker("gpu") is not None]
     if gpu_items and not config.getoption("smqa_require_gpu") and not _cuda_available():
         skip = pytest.mark.skip(reason=NO_GPU.format(what="this test"))  # reported at the test, not here
         for item in gpu_items:
             item.add_marker(skip)
-    if not any(_uses_suite(i) for i in items):
+    if not any(uses_suite(i) for i in items):
         return
     try:
         state = selected(config)
@@ -227,9 +237,10 @@ def _skip_if_not_applicable(item, state, params) -> None:
 def pytest_collection_finish(session):
     # the compile pool is warmed up only for a run with tests that draw from it (not the scale tier alone);
     # here, after every plugin's deselection (-k included)
-    if any(_uses_suite(i) for i in session.items):
+    if any(uses_suite(i) for i in session.items):
+        run_state(session.config).collected = [i.nodeid for i in session.items if uses_suite(i)]
         run_state(session.config).pool_used = any(
-            _uses_suite(i) and i.get_closest_marker("smqa_scale") is None for i in session.items)
+            uses_suite(i) and i.get_closest_marker("smqa_scale") is None for i in session.items)
 
 
 def _argnames(marker) -> list[str]:
@@ -239,6 +250,7 @@ def _argnames(marker) -> list[str]:
 
 # ---- running and reporting ------------------------------------------------------------------------------------
 def pytest_runtest_setup(item):
+    gpu_workers.before_first_test(item.config, say(item.config))
     if item.get_closest_marker("gpu") is not None and not _cuda_available():
         no_gpu(item.config, "this test")
 
@@ -266,4 +278,4 @@ def pytest_sessionfinish(session, exitstatus):
         session.config.workeroutput["smqa_gpu"] = report.worker_gpu()
         session.config.workeroutput["smqa_compile"] = run_state(session.config).compile
         return
-    report.write(session.config, exitstatus)
+    report.write(session.config, exitstatus, final=True)

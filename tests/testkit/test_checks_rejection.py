@@ -105,6 +105,24 @@ def test_caller_tensors_must_be_unchanged():
     assert not res.passed and "valid backward call modified the caller's grad_out" in res.message
 
 
+def test_a_write_before_validation_is_one_line_for_every_bad_input():
+    class ScribblesFirst(ReferenceBackend):
+        name = "scribbles-first"
+
+        def backward(self, q, kv, out, grad_out, *rest, **kw):
+            grad_out.mul_(2)  # before validating: every call writes, refused or not
+            return super().backward(q, kv, out, grad_out, *rest, **kw)
+
+    res = check_rejection(ScribblesFirst(), Case(S=2, seed=6))
+    lines = res.message.splitlines()
+    assert not res.passed and len(lines) <= 8, res.message
+    (grouped,) = [line for line in lines if "bad-input backward calls" in line]
+    assert re.match(r"\d\d bad-input backward calls \(q_float16, q_float32, kv_float16, kv_float32, \.\.\.\) each "
+                    r"modified the caller's grad_out; the first: grad_out \(differs bitwise at 32 / 32 elements",
+                    grouped), grouped
+    assert "valid backward call modified the caller's grad_out" in res.message
+
+
 def test_outside_domain_must_be_refused():
     class Only576(ReferenceBackend):
         name = "only-576"

@@ -39,6 +39,46 @@ def test_replay_of_a_check_that_does_not_apply_says_so(capsys):
         assert "--repeats goes with --check repeats --replay" in capsys.readouterr().err
 
 
+def test_replay_lines_name_the_backend_as_given_and_run_as_printed(broken, capsys):
+    import shlex
+
+    assert cli.main(["--backend", broken, "--check", "tolerance", "--replay", "Case(H=3, Skv=9, seed=1)"]) == 1
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("repro: ")]
+    assert line.startswith(f"repro: sparse-mqa-check --backend {broken} --check tolerance --replay")
+    argv = shlex.split(line.removeprefix("repro: "))
+    assert argv[0] == "sparse-mqa-check" and cli.main(argv[1:]) == 1  # the printed line runs, and fails again
+    assert capsys.readouterr().out == out
+
+
+@pytest.mark.parametrize("spec, why", [("no_such_module_xyz:B", "no module named 'no_such_module_xyz'"),
+                                       ("sparse_mqa_testkit:NoSuchBackend", "has no attribute 'NoSuchBackend'"),
+                                       ("nosuch", "unknown backend 'nosuch'; known: ")])
+def test_a_backend_that_is_not_found_is_one_line(capsys, spec, why):
+    assert cli.main(["--backend", spec, "--check", "tolerance", "--replay", "Case()"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"sparse-mqa-check: --backend {spec}: ") and why in err
+
+
+def test_the_cli_names_its_own_flags_and_the_database_takes_redis_urls(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "optional.py").write_text(
+        "from sparse_mqa_testkit import MissingDependency\n"
+        "from sparse_mqa_testkit.backends.reference import ReferenceBackend\n"
+        "class Needs(ReferenceBackend):\n    name = 'needs'\n    def require(self):\n"
+        "        raise MissingDependency('needs fancylib: pip install fancylib')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    assert cli.main(["--backend", "optional:Needs", "--check", "guards"]) != 0
+    out = capfd.readouterr()
+    text = out.out + out.err
+    assert "fancylib" in text and "--allow-missing" in text and "--smqa-" not in text
+    assert "profile ?" not in text and "the suite did not run on backend optional:Needs" in text
+    assert cli.main(["--backend", "optional:Needs", "--check", "guards", "--allow-missing"]) == 1
+    out = capfd.readouterr().out
+    assert "nothing was checked: backend 'optional:Needs' skipped (--allow-missing): needs fancylib" in out
+    assert "redis://HOST:PORT" in cli.parser().format_help()
+
+
 def test_replay_refuses_anything_but_a_case(capsys):
     assert cli.main(["--check", "tolerance", "--replay", "__import__('os')"]) == 2
     assert cli.main(["--replay", "Case()"]) == 2
@@ -58,6 +98,11 @@ class Crashes(ReferenceBackend):
     name = "crashes"
     def precompile(self, directory):
         return 1 / 0
+
+class InParallel(ReferenceBackend):
+    name = "in-parallel"
+    def precompile(self, directory, jobs=1):
+        return [f"fwd h64 sm_90a by {jobs} processes"]
 '''
 
 
@@ -76,6 +121,12 @@ def test_precompile_reports_each_backend_and_lists_variants(tmp_path, monkeypatc
     assert "reference: has no precompile(): nothing to compile ahead" in out and "(incomplete, see above)" in out
     assert "precompiling:Crashes: precompile() failed" in out and "ZeroDivisionError" in out
     assert "precompiling:Compiles: 2 kernel variants compiled" in out  # still compiled after the crash
+    # --jobs reaches a backend whose precompile takes jobs (and only such a backend is said to use them)
+    assert cli.main(["--precompile", str(cache), "--jobs", "3", "--backend", "precompiling:InParallel",
+                     "--backend", "precompiling:Compiles"]) == 0
+    out = capsys.readouterr().out
+    assert "fwd h64 sm_90a by 3 processes" in out and "compiled in" in out and "s by 3 processes" in out
+    assert out.count("by 3 processes") == 2  # the variant line and its backend's line, not the other backend's
 
 
 def test_main_job_fails_on_a_broken_backend_with_table_and_json(broken, tmp_path, monkeypatch, capfd):
@@ -113,6 +164,27 @@ def test_nightly_failure_becomes_reproducer_ledger_and_replays_from_the_database
     assert rc == 0
     rc, data = runner.run_suite([broken], profile="ci", database=out / "examples", extra=["--smqa-check", "tolerance"])
     assert rc == 1 and "failed" in {r["outcome"] for r in data["rows"]}
+
+
+MINE_TEST = '''
+from hypothesis import given
+from sparse_mqa_testkit import backend_cases
+
+
+@given(case=backend_cases())
+def test_mine(smqa_checks, case):
+    smqa_checks.tolerance(case)
+'''
+
+
+def test_a_nightly_failure_in_a_users_own_test_patches_that_test(broken, tmp_path, capfd):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_mine.py").write_text(MINE_TEST)
+    out = tmp_path / "night"
+    assert run_nightly([broken], budget=60, out=out, extra=["-k", "test_mine", "tests/test_mine.py"]) == 1
+    assert "FAILURE mine" in capfd.readouterr().out
+    patch = next(out.glob("reproducer-*.patch")).read_text()
+    assert "+++ ./tests/test_mine.py" in patch and "+@example(case=Case(" in patch and "test_checks" not in patch
 
 
 def test_nightly_pass_appends_to_the_ledger_and_compares_with_the_last_run(tmp_path, monkeypatch, capfd):
@@ -157,10 +229,56 @@ def test_a_main_job_that_checked_nothing_fails(tmp_path, monkeypatch, capfd):
         "from sparse_mqa_testkit.backends.reference import ReferenceBackend\n"
         "class OnGpu(ReferenceBackend):\n    name = 'ongpu'\n    def __init__(self):\n"
         "        self.device = 'cuda'\n")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the child sees no GPU, whatever this machine has
     assert cli.main(["--backend", "gpuonly:OnGpu", "--check", "guards"]) == 1
     assert "nothing was checked: backend 'gpuonly:OnGpu' (device cuda) needs a CUDA GPU" in capfd.readouterr().out
+
+
+HANGS = '''
+import time
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class Hangs(ReferenceBackend):
+    """dq doubled (the first check fails at once); a forward that never returns (the next one never ends)."""
+    name = "hangs"
+    def backward(self, *args, **kwargs):
+        dq, dkv, ds = super().backward(*args, **kwargs)
+        return dq * 2, dkv, ds
+    def forward(self, *args, **kwargs):
+        while True:
+            time.sleep(0.1)
+'''
+
+
+@pytest.mark.skipif(__import__("shutil").which("timeout") is None, reason="needs coreutils' timeout")
+def test_a_run_stopped_by_timeout_leaves_what_finished(tmp_path):
+    """`timeout -s TERM N sparse-mqa-check ... --json F`: the finished check's verdict and replay line were
+    printed as it finished, and F is marked interrupted with that check complete and the others listed."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "hangs.py").write_text(HANGS)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    path = tmp_path / "F.json"
+    proc = subprocess.run(["timeout", "-s", "TERM", "25", sys.executable, "-m", "sparse_mqa_testkit", "--backend",
+                           "hangs:Hangs", "--profile", "ci", "--json", str(path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 124, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "[smqa] FAIL test_check_boundaries[hangs:Hangs-tolerance]: 1 cases" in out
+    assert "  replay: sparse-mqa-check --backend hangs:Hangs --check tolerance --replay \"Case(" in out
+    assert "sparse-mqa-check: INTERRUPTED (by SIGTERM" in out and "unfinished (" in out
+    data = json.loads(path.read_text())
+    assert data["status"] == "interrupted"
+    (row,) = data["rows"]
+    assert row["check"] == "tolerance" and row["outcome"] == "failed" and row["cases"] == 1
+    assert row["failure"]["repro"].startswith("sparse-mqa-check --backend hangs:Hangs --check tolerance")
+    assert row["coverage"] and row["worst"]["tensor"] == "dq"
+    unfinished = data["unfinished"]
+    assert len(unfinished) >= 10 and row["nodeid"] not in unfinished  # the other checks' tests
+    assert any("test_check_boundaries[hangs:Hangs-forward_tolerance]" in n for n in unfinished)
 
 
 def test_list_backends_says_where_each_comes_from_and_whether_it_loads(capsys):

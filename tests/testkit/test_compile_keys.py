@@ -5,12 +5,13 @@ bug planted in one class)."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import json
 
 import pytest
 
-from sparse_mqa_testkit import BackendBase
+from sparse_mqa_testkit import BackendBase, Case
 from sparse_mqa_testkit.cases import planning
 from sparse_mqa_testkit.cases.boundaries import explicit_examples
 from sparse_mqa_testkit.cases.compile_keys import DEFAULT_BUDGET, CompileKey, key_of, resolve
@@ -83,6 +84,35 @@ def test_drawn_cases_stay_inside_the_pool_and_free_fields_vary():
     assert {"L below tile", "L on tile", "L above tile", "H on tile", "topk random", "L > Skv"} <= seen
 
 
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(Case)])
+def test_every_case_field_can_be_a_compile_key(field):
+    """Whatever a kernel specialises on, Case fields added later included: the pool fixes the field, drawn cases
+    keep it inside the pool, and the other fields stay free."""
+    keyed = Keyed()
+    keyed.compile_keys = (field,)
+    (key,) = resolve(keyed)
+    need = len({key_of(c, (key,)) for c in explicit_examples(keyed, max_work=1_500_000).examples})
+    plan = planning.plan_backend(keyed, profile="ci", budget=need + 2, draws=60)
+    assert need <= len(plan.pool) <= need + 2
+    drawn = draw_examples(cases_for(keyed, pool=plan.pool), 60)
+    assert {key_of(c, (key,)) for c in drawn} <= set(plan.pool.values), field
+    free = "seed" if field != "seed" else "S"
+    assert len({getattr(c, free) for c in drawn}) > 3
+
+
+def test_sm_scale_as_a_compile_key_fixes_the_drawn_scales():
+    keyed = Keyed()
+    keyed.compile_keys = ("H", "sm_scale", CompileKey("scale_given", "sm_scale", lambda v: v is not None))
+    plan = planning.plan_backend(keyed, profile="ci", budget=24)  # past the boundary examples' keys
+    scales = {v[1] for v in plan.pool.values}
+    assert len(scales) == 3  # None, 0.5 and 1/sqrt(192): each a kernel of its own
+    for entry, values in zip(plan.pool.entries, plan.pool.values):
+        assert entry["sm_scale"] == (values[1],)  # a float is fixed to the value the pool drew
+    drawn = draw_examples(cases_for(keyed, pool=plan.pool), 200)
+    assert {key_of(c, plan.pool.keys) for c in drawn} <= set(plan.pool.values)
+    assert {c.sm_scale for c in drawn} == scales
+
+
 def test_nightly_rotates_the_pool(monkeypatch):
     ci = planning.plan_backend(Keyed(), profile="ci", budget=12)
     monkeypatch.setattr(planning, "rotation", lambda profile: 738000)
@@ -119,6 +149,18 @@ def test_a_ci_run_compiles_at_most_its_budget_and_covers_every_class(compiling, 
     timing = data["timing"]["compiling:Compiling"]
     assert timing["keys"] == len(plan.pool) and timing["compile_s"] > 0 and timing["check_s"] > 0
     assert "time on compiling:Compiling: warm-up" in out.out and "[smqa] warm-up compiling:Compiling:" in out.err
+
+
+def test_a_compile_keyed_backend_draws_its_pool_after_pytest_starts(compiling, pytester, monkeypatch):
+    """The pool's cases are drawn where Hypothesis expects draws (after its plugin's initialization): no
+    HypothesisSideeffectWarning, with the backend named on the command line (validated at session start)."""
+    monkeypatch.setenv("SMQA_MAX_EXAMPLES", "2")
+    monkeypatch.delenv("SMQA_PROFILE", raising=False)
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--pyargs", "sparse_mqa_testkit.property_tests",
+                                      "--smqa-backend", "compiling:Compiling", "-k", "tolerance and not forward")
+    r.assert_outcomes(passed=2)
+    out = r.stdout.str() + r.stderr.str()
+    assert "[smqa] warm-up compiling:Compiling: " in out and "HypothesisSideeffectWarning" not in out
 
 
 def test_a_bug_planted_in_one_boundary_class_is_found(compiling, capfd, monkeypatch):

@@ -165,6 +165,18 @@ def test_environment_typos_are_usage_errors_only_where_the_suite_is_used(downstr
     assert env in r.stderr.str() and allowed in r.stderr.str() and "INTERNALERROR" not in r.stdout.str()
 
 
+def test_an_unknown_backend_in_the_environment_is_named_and_only_where_the_suite_is_used(downstream, monkeypatch):
+    monkeypatch.setenv("SMQA_BACKEND", "nosuch")
+    downstream.makepyfile(test_unrelated="def test_plain():\n    assert True\n")
+    for xdist in ((), ("-n", "2")):
+        r = downstream.runpytest_inprocess("-p", "no:cacheprovider", *xdist, "test_unrelated.py")
+        assert r.ret == pytest.ExitCode.OK, r.stderr.str()
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "test_down.py")
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    assert "SMQA_BACKEND=nosuch: unknown backend 'nosuch'" in r.stderr.str()
+    assert "--smqa-backend" not in r.stderr.str()
+
+
 @NO_CUDA
 def test_skip_reasons_on_a_cpu_only_machine(downstream):
     downstream.makepyfile(test_gpu='''
@@ -214,6 +226,27 @@ def test_installed_suite_from_a_downstream_repo(downstream, monkeypatch):
     assert eval(failed["failure"]["case"], {"Case": Case}).Skv == 9  # shrunk to the smallest failing Skv
     assert (downstream.path / ".hypothesis" / "smqa").is_dir()
     assert {p for p in pkg.rglob("*") if ".hypothesis" in p.parts} == before
+
+
+SHORT_DKV = '''
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class Short(ReferenceBackend):
+    name = "short"
+    def backward(self, *args, **kwargs):
+        dq, dkv, ds = super().backward(*args, **kwargs)
+        return dq, dkv[:, :-1], ds
+'''
+
+
+def test_a_failure_without_a_measure_shows_no_target_score(downstream):
+    downstream.makepyfile(shortkernels=SHORT_DKV)
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "--pyargs", "sparse_mqa_testkit.property_tests",
+                                       "--smqa-backend", "shortkernels:Short", "--smqa-check", "tolerance",
+                                       "-k", "test_check and not boundaries")
+    r.assert_outcomes(failed=1)
+    out = r.stdout.str()
+    assert "dkv: shape" in out and "1e+09" not in out and "Highest target score" not in out
 
 
 def test_database_never_defaults_into_the_package(tmp_path, monkeypatch):
@@ -349,7 +382,7 @@ def test_limits_are_raised_from_outside(downstream, monkeypatch):
     r.assert_outcomes(passed=1, failed=1)
 
 
-def test_the_readme_test_file_runs_as_written(downstream):
+def test_the_readme_test_file_runs_as_written(downstream, monkeypatch):
     """The complete downstream test file the README shows, verbatim, on a backend registered by module:attr."""
     import re
     from pathlib import Path
@@ -359,6 +392,17 @@ def test_the_readme_test_file_runs_as_written(downstream):
     downstream.makepyfile(test_readme=block)
     r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "test_readme.py", "--smqa-backend", "mykernels:Mine")
     r.assert_outcomes(passed=1 + 3)  # the @given test, and the by-hand test once per drawn case
+    # the same under xdist, the backend named by $SMQA_BACKEND: every row the table and the JSON show passed (a
+    # passed setup is no error)
+    out = downstream.path / "r.json"
+    monkeypatch.setenv("SMQA_BACKEND", "mykernels:Mine")
+    r = downstream.runpytest_inprocess("-p", "no:cacheprovider", "-n", "2", "test_readme.py", "--smqa-json", str(out))
+    r.assert_outcomes(passed=1 + 3)
+    assert "ERROR" not in r.stdout.str()
+    data = json.loads(out.read_text())  # written by the controller, with every worker's rows
+    assert data["status"] == "finished" and not data["unfinished"]
+    # one row: the @given test's (the by-hand test runs no check of the suite)
+    assert [(x["check"], x["outcome"]) for x in data["rows"]] == [("tolerance_and_guards", "passed")]
 
 
 def test_the_scale_tier_runs_only_when_asked(downstream, monkeypatch):

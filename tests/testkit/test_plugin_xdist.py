@@ -17,10 +17,15 @@ def test_visible_gpus_follow_the_device_count_and_cuda_visible_devices():
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1"}, lambda: 0) == []
 
 
-def test_one_worker_per_gpu_and_the_cpu_count_without():
-    assert auto_num_workers(["0", "1"]) == 2
-    assert auto_num_workers(["7"]) == 1
-    assert auto_num_workers([]) is None  # xdist falls back to its CPU count
+def test_one_worker_per_gpu_plus_cpu_workers_and_the_cpu_count_without():
+    assert auto_num_workers(["0", "1"], cpu_count=16, env={}) == 2 + 6  # half the cores, less one per GPU
+    assert auto_num_workers(["7"], cpu_count=16, env={}) == 1 + 7
+    assert auto_num_workers(["7"], cpu_count=2, env={}) == 1 + 1  # always one CPU worker
+    assert auto_num_workers(["7"], cpu_count=16, env={"SMQA_CPU_WORKERS": "0"}) == 1
+    assert auto_num_workers([], cpu_count=16, env={}) is None  # xdist falls back to its CPU count
+    with pytest.raises(pytest.UsageError, match="SMQA_CPU_WORKERS must be a count"):
+        auto_num_workers(["0"], env={"SMQA_CPU_WORKERS": "many"})
+    assert [gpu_workers.is_gpu_worker(f"gw{i}", ["3", "5"]) for i in range(4)] == [True, True, False, False]
 
 
 def test_workers_map_round_robin_and_the_controller_pins_nothing():
@@ -42,6 +47,7 @@ def test_pin_sets_cuda_visible_devices():
 def test_xdist_auto_starts_one_worker_per_gpu_each_pinned(pytester, monkeypatch):
     """-n auto with two (faked) GPUs: two workers, gw0 on GPU 3 and gw1 on GPU 5, pinned before any test."""
     monkeypatch.setattr(gpu_workers, "cuda_device_count", lambda: 2)
+    monkeypatch.setenv("SMQA_CPU_WORKERS", "0")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     monkeypatch.setenv("PIN_OUT", str(pytester.path / "pins"))
     (pytester.path / "pins").mkdir()
@@ -69,6 +75,77 @@ def test_xdist_auto_starts_one_worker_per_gpu_each_pinned(pytester, monkeypatch)
     assert seen == {"gw0": {"3"}, "gw1": {"5"}}
 
 
+ROUTED = '''
+import time
+import pytest
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", range(4))
+def test_on_gpu(i):
+    pass
+
+@pytest.mark.parametrize("i", range(10))
+def test_on_cpu(i):
+    time.sleep(0.3)
+
+def test_suite(smqa_backend):
+    pass
+'''
+
+ON_GPU = '''
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class OnGpu(ReferenceBackend):
+    name = "ongpu"
+    device = "cuda"
+    def __init__(self):
+        pass
+'''
+
+
+def test_gpu_tests_run_on_the_gpu_worker_and_cpu_tests_on_cpu_workers(pytester, monkeypatch):
+    """-n auto with one (faked) GPU and two CPU workers: the gpu-marked tests and the suite's tests on a CUDA
+    backend run on gw0, the GPU worker; the others on the CPU workers (gw0 takes some once its GPU work is done)."""
+    import re
+
+    monkeypatch.setattr(gpu_workers, "cuda_device_count", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
+    monkeypatch.setenv("SMQA_CPU_WORKERS", "2")
+    pytester.makepyfile(test_routed=ROUTED, gpukernels=ON_GPU)
+    pytester.syspathinsert()
+    r = pytester.runpytest_inprocess("-n", "auto", "-v", "-p", "no:cacheprovider", "-p", "sparse_mqa_testkit.plugin",
+                                     "--smqa-backend", "reference,gpukernels:OnGpu")
+    r.assert_outcomes(passed=10 + 1, skipped=4 + 1)  # no CUDA here: the GPU tests skip, on the GPU worker
+    ran = {m.group(2): m.group(1) for m in
+           re.finditer(r"\[(gw\d)\] \[ *\d+%\] \w+ +test_routed\.py::(\S+)", r.stdout.str())}
+    assert len(ran) == 4 + 10 + 2, r.stdout.str()
+    gpu = {t: w for t, w in ran.items() if t.startswith("test_on_gpu") or "OnGpu" in t}
+    assert len(gpu) == 5 and set(gpu.values()) == {"gw0"}
+    assert all("@smqa-gpu:" in t for t in gpu)
+    cpu = {t: w for t, w in ran.items() if t not in gpu}
+    assert {"gw1", "gw2"} <= set(cpu.values()) and "test_suite[reference]" in cpu
+
+
+def test_a_gpu_worker_waits_for_the_precompile_once(tmp_path):
+    marker = tmp_path / "precompiled"
+    said, naps = [], []
+
+    def nap(_):
+        naps.append(1)
+        if len(naps) == 3:
+            marker.touch()
+
+    env = {"SMQA_GPU_WAIT": str(marker)}
+    assert gpu_workers.wait_for_precompile("gw1", ["0"], env, said.append, nap) == 0.0  # a CPU worker: no wait
+    assert gpu_workers.wait_for_precompile("gw0", ["0"], env, said.append, nap) >= 0.0
+    assert len(naps) == 3 and said[0].startswith("[smqa] gw0: waiting for ") and "waited" in said[1]
+    assert gpu_workers.wait_for_precompile("gw0", ["0"], env, said.append, nap) == 0.0 and len(naps) == 3
+    env = {"SMQA_GPU_WAIT": str(tmp_path / "never"), "SMQA_GPU_WAIT_LIMIT": "0.2"}
+    gpu_workers.wait_for_precompile("gw0", ["0"], env, said.append, lambda s: __import__("time").sleep(0.05))
+    assert "starting without it" in said[-1]
+
+
 def test_xdist_auto_without_gpus_uses_the_cpu_count(pytester, monkeypatch):
     # run inside a pinned GPU worker, this process sees CUDA_VISIBLE_DEVICES=<its GPU>: not this test's setup
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -79,8 +156,9 @@ def test_xdist_auto_without_gpus_uses_the_cpu_count(pytester, monkeypatch):
 
     assert plugin.pytest_xdist_auto_num_workers(cfg) is None
     monkeypatch.setattr(gpu_workers, "cuda_device_count", lambda: 3)
+    monkeypatch.setenv("SMQA_CPU_WORKERS", "2")
     cfg = pytester.parseconfig("-n", "auto")
-    assert plugin.pytest_xdist_auto_num_workers(cfg) == 3
+    assert plugin.pytest_xdist_auto_num_workers(cfg) == 3 + 2
     monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "5")  # an explicit count wins
     assert plugin.pytest_xdist_auto_num_workers(cfg) is None
 

@@ -4,6 +4,7 @@ that is missing or cannot read the device is said, never a pass."""
 from __future__ import annotations
 
 import io
+import re
 
 from sparse_mqa_testkit import Case
 from sparse_mqa_testkit.tools import cli, sanitize
@@ -63,3 +64,63 @@ def test_a_cpu_backend_has_nothing_to_sanitize(capsys):
 def test_replay_lines_name_the_tool():
     assert sanitize.replay_command("cudnn", "racecheck", Case(H=65)) == \
         'sparse-mqa-check --backend cudnn --sanitize racecheck --replay "Case(H=65)"'
+
+
+FAKE_TOOL = '''#!{python}
+# compute-sanitizer's stand-in: logs its own options, runs the program after them
+import os, subprocess, sys
+args = sys.argv[1:]
+i = args.index("-m") - 1
+with open(os.environ["FAKE_TOOL_LOG"], "a") as log:
+    log.write(" ".join(args[:i]) + "\\n")
+print("========= COMPUTE-SANITIZER", flush=True)
+rc = subprocess.call(args[i:])
+print("========= ERROR SUMMARY: 0 errors", flush=True)
+sys.exit(rc)
+'''
+
+SLOW_ON_H3 = '''
+import time
+from sparse_mqa_testkit.backends.reference import ReferenceBackend
+
+class SlowOnH3(ReferenceBackend):
+    name = "slow-on-h3"
+    sanitize_kernels = "mine_"
+    def backward(self, q, *args, **kwargs):
+        if q.shape[2] == 3:
+            time.sleep(120)
+        return super().backward(q, *args, **kwargs)
+'''
+
+
+def test_each_case_is_shown_as_it_starts_and_a_case_past_its_limit_is_named_with_the_tool(tmp_path, monkeypatch):
+    import os
+    import sys
+
+    tool = tmp_path / "compute-sanitizer"
+    tool.write_text(FAKE_TOOL.format(python=sys.executable))
+    tool.chmod(0o755)
+    (tmp_path / "slowmod.py").write_text(SLOW_ON_H3)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("FAKE_TOOL_LOG", str(tmp_path / "options.log"))
+    monkeypatch.setattr(sanitize, "find_tool", lambda: str(tool))
+    cases = [Case(H=2, seed=1), Case(H=3, seed=2), Case(B=2, H=4, seed=3), Case(H=4, seed=3)]
+    out = io.StringIO()
+    assert sanitize.run("slowmod:SlowOnH3", cases, ("racecheck",), out=out, case_limit=4) == sanitize.NOT_RUN
+    text = out.getvalue()
+    label = "sanitize slowmod:SlowOnH3 racecheck"
+    # racecheck: one query of one batch per case (B=2 and B=1 of the same case are one case then)
+    assert re.findall(rf"^{label}: (case \d/3): B1 S1 ", text, re.M) == ["case 1/3", "case 2/3", "case 3/3"]
+    assert (f"{label}: case 2 (Case(S=1, H=3, seed=2)) ran past the 4 s limit per case under racecheck "
+            "(SMQA_SANITIZE_CASE_LIMIT): stopped") in text
+    assert f"{label}: 0 findings in 3 cases" in text and "NOT sanitized" in text
+    options = (tmp_path / "options.log").read_text().splitlines()
+    assert len(options) == 2  # the child started again after the stopped case
+    assert "--racecheck-report analysis --show-backtrace no --racecheck-deadlock-timeout" in options[0]
+    assert options[0].endswith("--kernel-name kns=mine_")
+    out = io.StringIO()
+    assert sanitize.run("slowmod:SlowOnH3", cases[:2], ("memcheck",), out=out, tool_limit=15) == sanitize.NOT_RUN
+    assert re.search(r"cases [12] to 2 not finished within the 15 s limit of memcheck \(SMQA_SANITIZE_TOOL_LIMIT\): "
+                     "NOT sanitized", out.getvalue()), out.getvalue()
+    assert "kns=" not in (tmp_path / "options.log").read_text().splitlines()[-1]  # memcheck checks every kernel

@@ -7,8 +7,8 @@ import torch
 
 from sparse_mqa_testkit import Case, check_backward_tolerance, check_forward_tolerance
 from sparse_mqa_testkit.backends.reference import ReferenceBackend
-from sparse_mqa_testkit.harness.recording import Recorder
-from sparse_mqa_testkit.harness.table import format_table, merged
+from sparse_mqa_testkit.harness.recording import PROPERTY, Recorder
+from sparse_mqa_testkit.harness.table import format_table, merged, summarize
 from support import Base2LseForward
 
 
@@ -74,3 +74,58 @@ def test_rows_of_one_check_merge_and_timing_is_shown():
     assert len(rows) == 1 and rows[0]["cases"] == 2
     table = format_table([_row(a, "passed")], {"x": {"compile_s": 62.5, "keys": 12, "check_s": 183.0}})
     assert "time on x: warm-up 62.5 s (12 kernel keys), checks 183.0 s" in table
+
+
+def _report(when: str, outcome: str, data: dict):
+    from _pytest.reports import TestReport
+
+    longrepr = ("f.py", 1, "Skipped: no GPU") if outcome == "skipped" else None
+    return TestReport("t.py::test_x", ("t.py", 1, "test_x"), {}, outcome, longrepr, when,
+                      user_properties=[(PROPERTY, data)])
+
+
+def test_a_passed_setup_is_never_an_error_row():
+    data = Recorder(check="by_hand", backend="mine").data()
+    assert summarize([_report("setup", "passed", data)]) == []
+    assert summarize([_report("teardown", "passed", data)]) == []
+    (row,) = summarize([_report("setup", "passed", data), _report("call", "passed", data),
+                        _report("teardown", "passed", data)])
+    assert row["outcome"] == "passed"
+    assert [r["outcome"] for r in summarize([_report("setup", "failed", data)])] == ["error"]
+    assert [r["outcome"] for r in summarize([_report("setup", "skipped", data)])] == ["skipped"]
+
+
+class OneDkvRowOff(ReferenceBackend):
+    name = "one-row-off"
+
+    def backward(self, *args, **kwargs):
+        dq, dkv, ds = super().backward(*args, **kwargs)
+        dkv = dkv.clone()
+        dkv[0, 0] = (dkv[0, 0].float() * 1.5).to(torch.bfloat16)
+        return dq, dkv, ds
+
+
+def _cell(table: str, check: str) -> tuple[float, float, float, str]:
+    import re
+
+    line = next(x for x in table.splitlines() if x.startswith(check + " "))
+    m = re.search(r"(\w+(?: row \([\d, ]+\))?) ([\d.e+-]+)(?: ulps)? / ([\d.e+-]+) \(([\d.]+)\)", line)
+    assert m, line
+    return float(m.group(2)), float(m.group(3)), float(m.group(4)), m.group(1)
+
+
+def test_the_numbers_in_a_cell_divide_to_its_ratio():
+    """The worst row's ratio with that row's error and allowance, the whole tensor's with the whole's: never one
+    measure's numbers beside the other's ratio."""
+    case = Case(S=8, Skv=48, H=4, L=24, seed=3)
+    res = check_backward_tolerance(OneDkvRowOff(), case)
+    assert not res.passed and res.per_tensor["dkv"]["worst_row"]["ratio"] > res.per_tensor["dkv"]["whole_ratio"]
+    rec = Recorder(check="tolerance", backend="one-row-off")
+    rec.add(res)
+    error, allowed, ratio, what = _cell(format_table([_row(rec)]), "tolerance")
+    assert what == "dkv row (0, 0)" and abs(error / allowed - ratio) <= 0.005 + 0.01 * ratio  # as printed
+    rec = Recorder(check="tolerance", backend="reference")
+    for seed in range(4):
+        rec.add(check_backward_tolerance(ReferenceBackend(), Case(S=8, Skv=48, H=4, L=24, seed=seed)))
+    error, allowed, ratio, what = _cell(format_table([_row(rec, "passed")]), "tolerance")
+    assert abs(error / allowed - ratio) <= 0.005 + 0.01 * ratio, (what, error, allowed, ratio)

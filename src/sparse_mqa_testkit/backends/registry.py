@@ -34,8 +34,15 @@ def _load(spec: str):
     mod, _, attr = spec.partition(":")
     if not mod or not attr:
         raise BackendNotFound(f"backend spec must be 'module:attr', got {spec!r}")
-    obj = importlib.import_module(mod)
+    try:
+        obj = importlib.import_module(mod)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (mod == e.name or mod.startswith(e.name + ".")):
+            raise  # the module exists and something it imports is missing: an error showing where it broke
+        raise BackendNotFound(f"no module named {e.name!r} on this Python's path (sys.path, PYTHONPATH)") from None
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise BackendNotFound(f"{getattr(obj, '__name__', mod)!r} has no attribute {part!r}")
         obj = getattr(obj, part)
     return obj
 

@@ -28,6 +28,7 @@ class BackendSpec:
     default_for: str | None
     graph_safe: bool = True
     graph_unsafe_reason: str = ""
+    sanitize_kernels: str | None = None  # a substring of its kernels' names: what compute-sanitizer racechecks
 
     @classmethod
     def of(cls, backend) -> "BackendSpec":
@@ -44,7 +45,8 @@ class BackendSpec:
                    compile_keys=tuple(getattr(backend, "compile_keys", None) or ()),
                    default_for=getattr(backend, "default_for", None),
                    graph_safe=bool(getattr(backend, "graph_safe", True)),
-                   graph_unsafe_reason=str(getattr(backend, "graph_unsafe_reason", "") or ""))
+                   graph_unsafe_reason=str(getattr(backend, "graph_unsafe_reason", "") or ""),
+                   sanitize_kernels=getattr(backend, "sanitize_kernels", None) or None)
 
     @property
     def is_cuda(self) -> bool:
@@ -91,6 +93,13 @@ class BackendSpec:
 
     @property
     def precompile(self):
-        """Its optional ``precompile(directory)``, or None."""
+        """Its optional ``precompile(directory[, jobs])``, or None."""
         fn = getattr(self.backend, "precompile", None)
         return fn if callable(fn) else None
+
+    def precompile_into(self, directory, jobs: int = 1) -> list:
+        """Its ``precompile`` into ``directory`` (which must exist), by ``jobs`` processes when it takes ``jobs``."""
+        fn = self.precompile
+        if "jobs" in inspect.signature(fn).parameters:
+            return list(fn(directory, jobs=jobs))
+        return list(fn(directory))

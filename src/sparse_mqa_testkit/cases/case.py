@@ -42,6 +42,10 @@ PATTERNS = ("random", "local", "hot", "disjoint")
 MAGNITUDES = ("unit", "spread", "peaky")
 SPREAD_BITS = 20
 PEAKY_SPREAD = 160.0
+# each field that takes one of a few modes, with them (what a case validates, and what a compile key on the field
+# ranges over)
+MODES = {"sink": SINK_MODES, "topk": TOPK_MODES, "invalid": INVALID_MODES, "order": ORDERS,
+         "empty_lse": EMPTY_LSE_MODES, "pattern": PATTERNS, "magnitude": MAGNITUDES}
 LARGE = 1 << 26  # q elements past which a case's tensors are drawn by torch on its device (tensors.case_tensors)
 
 
@@ -77,9 +81,7 @@ class Case:
             raise ValueError(f"Case.Dv must be <= Dqk = {self.Dqk}, got {self.Dv}")
         if not isinstance(self.topk_tile, int) or self.topk_tile < 0:
             raise ValueError(f"Case.topk_tile must be an int >= 0, got {self.topk_tile!r}")
-        for name, allowed in (("sink", SINK_MODES), ("topk", TOPK_MODES), ("invalid", INVALID_MODES),
-                              ("order", ORDERS), ("empty_lse", EMPTY_LSE_MODES), ("pattern", PATTERNS),
-                              ("magnitude", MAGNITUDES)):
+        for name, allowed in MODES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Case.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

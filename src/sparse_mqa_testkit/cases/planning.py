@@ -67,16 +67,17 @@ def compile_budget(given, profile: str) -> int:
     return int(raw)
 
 
-def plan_backend(backend, *, profile: str, budget: int, limits: dict | None = None) -> Plan:
+def plan_backend(backend, *, profile: str, budget: int, limits: dict | None = None, draws: int = POOL_DRAWS) -> Plan:
     """The plan for ``backend``; ValueError naming the backend for a bad compile-key declaration or a budget
-    smaller than its boundary examples need."""
+    smaller than its boundary examples need. ``draws=0`` finds those errors without drawing (no Hypothesis: what
+    a pytest plugin may do while pytest starts); its pool holds the boundary examples' keys only."""
     backend = BackendSpec.of(backend)
     lim = {**device_limits(backend), **(limits or {})}
     seed = rotation(profile)
     boundaries = explicit_examples(backend, max_work=lim["max_work"], seed=seed)
     drawn = ()
-    if resolve(backend):
-        drawn = tuple(draw_examples(cases_for(backend, **(limits or {})), POOL_DRAWS, seed=seed or None))
+    if resolve(backend) and draws:
+        drawn = tuple(draw_examples(cases_for(backend, **(limits or {})), draws, seed=seed or None))
     pool = choose_pool(backend, boundaries.examples, budget=budget, limits=lim, drawn=drawn)
     return Plan(DrawTarget(backend, pool, dict(limits or {})), boundaries, drawn)
 

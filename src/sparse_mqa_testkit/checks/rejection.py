@@ -194,6 +194,7 @@ def check_rejection(backend, case, *, expected: Expected | None = None):
         problems += [f"valid {which} call modified the caller's {w}" for w in before.writes()]
     cuda = torch.cuda.is_available()
     crashes: dict[str, list[str]] = {}  # an unexpected exception -> the entries it was raised for (it repeats)
+    writes: dict[tuple, list[tuple[str, str]]] = {}  # (direction, tensor) -> (entry, what changed) per write
     for entry in error_inputs(case):
         for which in whichs:
             if which not in entry.applies_to:
@@ -212,13 +213,21 @@ def check_rejection(backend, case, *, expected: Expected | None = None):
                 else:
                     problems.append(f"{label} {msg}")
                 per_tensor[entry.argument] = {"error": math.inf, "allowed": 0.0, "entry": entry.name}
-            problems += [f"{entry.name} ({which}): the call modified the caller's {w}" for w in before.writes()]
+            for w in before.writes():
+                writes.setdefault((which, w.split(" (")[0]), []).append((entry.name, w))
     for msg, labels in crashes.items():
         if len(labels) == 1:
             problems.append(f"{labels[0]} {msg}")
         else:
             names = ", ".join(label.split(" (")[0] for label in labels[:4]) + (", ..." if len(labels) > 4 else "")
             problems.append(f"{len(labels)} bad inputs ({names}) each {msg}")
+    for (which, tensor), seen in writes.items():  # a write before validation repeats for every bad input
+        if len(seen) == 1:
+            problems.append(f"{seen[0][0]} ({which}): the call modified the caller's {seen[0][1]}")
+        else:
+            names = ", ".join(n for n, _ in seen[:4]) + (", ..." if len(seen) > 4 else "")
+            problems.append(f"{len(seen)} bad-input {which} calls ({names}) each modified the caller's {tensor}; "
+                            f"the first: {seen[0][1]}")
     return result(check, spec, case, problems, ratio=math.inf if problems else 0.0, per_tensor=per_tensor,
                   notes=notes)
 

@@ -56,6 +56,14 @@ class CheckResult:
     notes: dict = field(default_factory=dict)
     skipped: str = ""
 
+    def replayed_as(self, given: str) -> "CheckResult":
+        """This result with its replay line naming the backend as the run was ``given`` it (``module:attr``),
+        which the backend's own ``name`` may not resolve to."""
+        if not self.passed and given != self.backend:
+            self.message = self.message.replace(repro_command(self.backend, self.check, self.case),
+                                                repro_command(given, self.check, self.case))
+        return self
+
     def raise_if_failed(self) -> None:
         """CheckFailure when it failed, CheckSkipped when it did not run."""
         if self.skipped:

@@ -9,6 +9,7 @@ which every runner of the tests (pytest, HypoFuzz) performs.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from ..checks.registry import get_check
 from ..compare import Expected
 from ..contract import inputs_of
 from . import hypothesis_compat, profiles
+from .options import as_typed
 from .recording import PROPERTY, Recorder, run_check
 from .state import run_state, selected
 
@@ -69,7 +71,9 @@ def recorder(item) -> Recorder:
             check += "_outside_domain"
         if "smqa_case" in params:
             check += f"[case{params['smqa_case']}]"
-        rec = Recorder(check=check, backend=str(params.get("smqa_backend", "?")), say=say(item.config))
+        name = re.split(r"[\[@]", item.nodeid.partition("::")[2])[0]  # without params or an xdist group
+        test = f"{item.path}::{name}"
+        rec = Recorder(check=check, backend=str(params.get("smqa_backend", "?")), test=test, say=say(item.config))
         item.stash[_REC] = rec
         item.user_properties.append((PROPERTY, rec.data()))
     return rec
@@ -160,11 +164,11 @@ def smqa_backend(request):
         pytest.fail(str(e), pytrace=False)
     name = getattr(request, "param", None) or state.names[0]
     if name in state.missing:
-        pytest.skip(f"backend {name!r} skipped (--smqa-allow-missing): {state.missing[name]}")
+        pytest.skip(as_typed(f"backend {name!r} skipped (--smqa-allow-missing): {state.missing[name]}"))
     spec = state.specs[name]
     if spec.device != "cpu" and not torch.cuda.is_available():
         no_gpu(request.config, f"backend {name!r} (device {spec.device})")
-    plan = state.plans[name]
+    plan = state.plan(name)
     if not plan.compile and state.pool_used:
         done = warm_up(plan)  # each pooled kernel key compiled once, before any check, timed apart from them
         keys = f"{done['keys']} pooled kernel keys" if done["keys"] else "no compile keys declared"
@@ -271,3 +275,8 @@ def smqa_oracle():
     return Oracle()
 
 SUITE_FIXTURES = ("smqa_backend", "smqa_case", "smqa_checks", "smqa_check", "smqa_scale_case")
+
+
+def uses_suite(item) -> bool:
+    """The test takes one of the suite's fixtures (it has a row in the conformance table)."""
+    return any(f in getattr(item, "fixturenames", ()) for f in SUITE_FIXTURES)

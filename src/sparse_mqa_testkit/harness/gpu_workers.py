@@ -1,9 +1,17 @@
-"""pytest-xdist on GPU runners: one worker per visible GPU, each pinned to its own before CUDA starts.
+"""pytest-xdist on GPU runners: a worker per visible GPU, each pinned to its own before CUDA starts, and CPU
+workers beside them for the tests that need no GPU.
 
-The controller counts the GPUs it can see (``visible_gpus``) and, for ``-n auto``, starts that many workers
-(the CPU count when there are none). Each worker then sets ``CUDA_VISIBLE_DEVICES`` to its own GPU in its
-``pytest_configure``, before any test touches CUDA, so ``cuda:0`` in worker gwN is the Nth visible GPU.
-More workers than GPUs share them round-robin.
+The controller counts the GPUs it can see (``visible_gpus``) and, for ``-n auto``, starts one worker per GPU plus
+``cpu_workers`` more (the CPU count when there are no GPUs). Each worker sets ``CUDA_VISIBLE_DEVICES`` in its
+``pytest_configure``, before any test touches CUDA: gwN for N < GPUs is the GPU worker of the Nth visible GPU, the
+CPU workers share the GPUs round-robin (a test that uses CUDA only when it is there still finds it).
+
+Routing (``-n`` with the default ``--dist load``): each worker tags the tests a GPU worker must run with an
+``xdist_group`` (``gpu_group``: a ``gpu``-marked test by its module, a suite test on a CUDA backend by the backend,
+so each backend warms up once) and the controller's ``GpuFirstScheduling`` hands those groups to GPU workers only
+and every other test to the CPU workers; a GPU worker takes CPU tests once no GPU group is left. With
+``$SMQA_GPU_WAIT`` naming a file, a GPU worker starts its first test once the file exists (ci/gpu: when the kernel
+precompile running beside the CPU tests is done).
 """
 
 from __future__ import annotations
@@ -11,9 +19,20 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Mapping, MutableMapping
 
+import pytest
+
+from .fixtures import uses_suite
+from .state import selected
+
 ENV = "CUDA_VISIBLE_DEVICES"
+CPU_WORKERS_ENV = "SMQA_CPU_WORKERS"
+WAIT_ENV = "SMQA_GPU_WAIT"
+WAIT_LIMIT_ENV = "SMQA_GPU_WAIT_LIMIT"  # seconds a GPU worker waits for $SMQA_GPU_WAIT (default 900)
+GROUP = "smqa-gpu"
+_STARTED = pytest.StashKey[bool]()
 
 
 def cuda_device_count() -> int:
@@ -60,9 +79,108 @@ def gpu_for_worker(worker_id: str, gpus: list[str]) -> str | None:
     return gpus[i % len(gpus)]
 
 
-def auto_num_workers(gpus: list[str]) -> int | None:
-    """Workers for ``-n auto``: one per GPU; None (xdist's CPU count) without GPUs."""
-    return len(gpus) or None
+def cpu_workers(gpus: list[str], cpu_count: int | None = None, env: Mapping[str, str] | None = None) -> int:
+    """CPU workers beside the GPU ones: ``$SMQA_CPU_WORKERS``, else half the cores less one per GPU, at least one
+    (the other cores serve the GPU workers' host side and the compilers of a precompile running beside)."""
+    env = os.environ if env is None else env
+    given = env.get(CPU_WORKERS_ENV, "").strip()
+    if given:
+        if not given.isdigit():
+            raise pytest.UsageError(f"{CPU_WORKERS_ENV} must be a count of workers (0 or more), got {given!r}")
+        return int(given)
+    return max(1, (cpu_count or os.cpu_count() or 2) // 2 - len(gpus))
+
+
+def auto_num_workers(gpus: list[str], cpu_count: int | None = None,
+                     env: Mapping[str, str] | None = None) -> int | None:
+    """Workers for ``-n auto``: one per GPU plus ``cpu_workers``; None (xdist's CPU count) without GPUs."""
+    return len(gpus) + cpu_workers(gpus, cpu_count, env) if gpus else None
+
+
+def is_gpu_worker(worker_id: str, gpus: list[str]) -> bool:
+    """gwN with N below the GPU count: the worker that owns GPU N."""
+    i = worker_index(worker_id)
+    return i is not None and i < len(gpus)
+
+
+def gpu_group(item, cuda_backends) -> str | None:
+    """The xdist group of a test only a GPU worker may run: a ``gpu``-marked test by its module, a suite test on a
+    CUDA backend (one of ``cuda_backends``, the run's names) by that backend; None for any other."""
+    if item.get_closest_marker("gpu") is not None:
+        return f"{GROUP}:{getattr(getattr(item, 'module', None), '__name__', item.nodeid.split('::')[0])}"
+    backend = getattr(getattr(item, "callspec", None), "params", {}).get("smqa_backend")
+    return f"{GROUP}:{backend}" if backend in cuda_backends else None
+
+
+def tag_gpu_tests(config, items) -> None:
+    """In a routing xdist worker: each test only a GPU worker may run gets its ``xdist_group``."""
+    if not (getattr(config, "workerinput", None) or {}).get("smqa_route"):
+        return
+    cuda = set()
+    if any(uses_suite(i) for i in items):
+        try:
+            cuda = {n for n, spec in selected(config).specs.items() if spec.is_cuda}
+        except pytest.UsageError:
+            pass  # the suite's fixtures report it
+    for item in items:
+        group = gpu_group(item, cuda)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def make_scheduler(config, log, gpus: list[str]):
+    """xdist's group scheduling, with the GPU groups sent to GPU workers only (``GpuFirstScheduling``)."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    class GpuFirstScheduling(LoadGroupScheduling):
+        """A GPU worker takes the next GPU group, else the next other test; a CPU worker the next other test, and a
+        GPU group only when no GPU worker is left (one crashed)."""
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.workqueue:
+                return
+            on_gpu = [s for s in self.workqueue if s.startswith(GROUP + ":")]
+            other = [s for s in self.workqueue if not s.startswith(GROUP + ":")]
+            if is_gpu_worker(node.gateway.id, gpus):
+                scope = (on_gpu or other)[0]
+            elif other:
+                scope = other[0]
+            elif not any(is_gpu_worker(n.gateway.id, gpus) for n in self.nodes):
+                scope = on_gpu[0]
+            else:
+                return  # only GPU groups are left: this CPU worker idles until the run ends
+            self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return GpuFirstScheduling(config, log)
+
+
+def before_first_test(config, say) -> None:
+    """Once per xdist worker, before its first test: a GPU worker waits for ``$SMQA_GPU_WAIT``."""
+    winput = getattr(config, "workerinput", None)
+    if winput is None or config.stash.get(_STARTED, False):
+        return
+    config.stash[_STARTED] = True
+    wait_for_precompile(winput.get("workerid", ""), list(winput.get("smqa_gpus") or []), say=say)
+
+
+def wait_for_precompile(worker_id: str, gpus: list[str], env: Mapping[str, str] | None = None, say=print,
+                        sleep=time.sleep) -> float:
+    """In a GPU worker with ``$SMQA_GPU_WAIT`` set: wait (at most ``$SMQA_GPU_WAIT_LIMIT`` seconds) until that
+    file exists; returns the seconds waited."""
+    env = os.environ if env is None else env
+    path = env.get(WAIT_ENV)
+    if not path or not is_gpu_worker(worker_id, gpus) or os.path.exists(path):
+        return 0.0
+    limit = float(env.get(WAIT_LIMIT_ENV) or 900)
+    say(f"[smqa] {worker_id}: waiting for {path} (the kernel precompile) before its first GPU test")
+    t0 = time.monotonic()
+    while not os.path.exists(path) and time.monotonic() - t0 < limit:
+        sleep(0.5)
+    waited = time.monotonic() - t0
+    say(f"[smqa] {worker_id}: waited {waited:.0f} s" + ("" if os.path.exists(path) else
+                                                        f", past {limit:.0f} s: starting without it"))
+    return waited
 
 
 def pin(worker_id: str, gpus: list[str], env: MutableMapping[str, str] | None = None) -> str | None:

@@ -1,9 +1,28 @@
-"""The plugin's command-line options: every ``--smqa-*`` flag, with the environment variable it defaults to."""
+"""The plugin's command-line options: every ``--smqa-*`` flag, with the environment variable it defaults to; and
+messages in the terms of the front end the user typed (``sparse-mqa-check`` has its own flags)."""
 
 from __future__ import annotations
 
+import os
+import re
+
 from . import profiles
-from .state import BACKEND_ENV, LIMITS_ENV
+
+BACKEND_ENV = "SMQA_BACKEND"
+LIMITS_ENV = "SMQA_LIMITS"
+FRONT_END_ENV = "SMQA_FRONT_END"  # "sparse-mqa-check" in the CLI's child pytest
+CLI = "sparse-mqa-check"
+CLI_FLAGS = {"--smqa-backend": "--backend", "--smqa-profile": "--profile", "--smqa-database": "--database",
+             "--smqa-check": "--check", "--smqa-json": "--json", "--smqa-allow-missing": "--allow-missing",
+             "--smqa-limits": "--limits", "--smqa-compile-budget": "--compile-budget"}
+
+
+def as_typed(message: str) -> str:
+    """``message`` with each ``--smqa-*`` flag named as the user typed it: sparse-mqa-check's own flag in its
+    child pytest, unchanged in a plain pytest run."""
+    if os.environ.get(FRONT_END_ENV) != CLI:
+        return message
+    return re.sub(r"--smqa-[a-z-]+", lambda m: CLI_FLAGS.get(m.group(0), m.group(0)), message)
 
 
 def add_options(parser) -> None:
@@ -22,9 +41,13 @@ def add_options(parser) -> None:
                      "sparse_mqa_testkit.checks.CHECKS)")
     g.addoption("--smqa-compile-budget", type=int, default=None, metavar="N",
                 help="a backend that declares compile_keys compiles at most N kernel keys in the run (default "
-                     "$SMQA_COMPILE_BUDGET, else 8 / 16 / 32 for dev / ci / nightly)")
+                     "$SMQA_COMPILE_BUDGET, else 16 / 16 / 32 for dev / ci / nightly)")
     g.addoption("--smqa-json", default=None, metavar="PATH",
-                help="write the conformance table (per test: cases, worst ratio, coverage, failure) as JSON")
+                help="write the conformance table (per test: cases, worst ratio, coverage, failure) as JSON, "
+                     "rewritten as results arrive; a run ended by SIGINT or SIGTERM writes what finished, marked "
+                     "interrupted, with the tests that did not finish")
+    g.addoption("--smqa-verdicts", action="store_true",
+                help="print each suite test's verdict line (and a failure's replay line) as it finishes")
     g.addoption("--smqa-require-gpu", action="store_true",
                 help="fail gpu-marked tests and CUDA backends when CUDA is absent instead of skipping them")
     g.addoption("--smqa-allow-missing", action="store_true",

@@ -25,6 +25,7 @@ from ..cases.coverage import effective_events
 from ..cases.strategies import case_events
 from ..checks.registry import get_check
 from ..checks.result import FAILED_RATIO, finite_ratio, repro_command
+from ..compare.verdict import ULP_PASS
 
 PROPERTY = "smqa"  # key in TestReport.user_properties
 PROGRESS_ENV = "SMQA_PROGRESS"  # seconds between progress lines (the nightly driver sets it)
@@ -63,6 +64,7 @@ class Recorder:
 
     check: str
     backend: str
+    test: str = ""  # the test function as FILE::NAME, the file's absolute path (where a reproducer patch goes)
     tiles: dict = field(default_factory=dict)
     cases: int = 0
     failed: int = 0
@@ -94,8 +96,8 @@ class Recorder:
                             "highest_ratio": self.worst.get("ratio")}
 
     def data(self) -> dict:
-        data = {k: getattr(self, k) for k in ("check", "backend", "cases", "failed", "worst", "coverage", "failure",
-                                              "unreachable", "rejected")}
+        data = {k: getattr(self, k) for k in ("check", "backend", "test", "cases", "failed", "worst", "coverage",
+                                              "failure", "unreachable", "rejected")}
         return {**data, "tiles": {k: v if isinstance(v, int) else repr(v) for k, v in self.tiles.items()}}
 
 
@@ -113,13 +115,35 @@ def _worst(result, ratio) -> dict:
     best = {"ratio": finite_ratio(ratio)}
     top = -1.0
     for name, t in (result.per_tensor or {}).items():
-        r = t.get("ratio")
-        if r is None and t.get("allowed"):
-            r = float(t.get("error", 0.0)) / float(t["allowed"])
-        if r is not None and math.isfinite(r) and r > top:
-            top = r
-            best.update(tensor=name, error=float(t.get("error", 0.0)), allowed=float(t.get("allowed", 0.0)))
+        m = tensor_measure(t)
+        if m is not None and m["ratio"] > top:
+            top = m["ratio"]
+            best.update(tensor=name, **m)
     return best
+
+
+def tensor_measure(t: dict) -> dict | None:
+    """The measure behind one tensor's ratio, so that error / allowed = ratio: the whole tensor's (``measure``
+    "whole") or its worst row's ("row", with the row's index), whichever the ratio is; "ulps" when a bf16 ulp
+    count decided it (error = ulps, allowed = 1.5); "bitwise" for a bitwise comparison that held. None when the
+    entry has no finite ratio."""
+    r = t.get("ratio")
+    error, allowed = float(t.get("error", 0.0)), float(t.get("allowed", 0.0))
+    if r is None and allowed:
+        r = error / allowed
+    if r is None or not math.isfinite(r):
+        return None
+    row = t.get("worst_row") or {}
+    if row.get("rows") and row.get("ratio", 0.0) >= t.get("whole_ratio", r):
+        out = {"measure": "row", "row": list(row.get("index", ())), "error": float(row["error"]),
+               "allowed": float(row["allowed"])}
+    elif allowed == 0 and error == 0 and r == 0:
+        return {"measure": "bitwise", "ratio": 0.0, "error": 0.0, "allowed": 0.0}
+    else:
+        out = {"measure": "whole", "error": error, "allowed": allowed}
+    if not (out["allowed"] > 0 and math.isclose(out["error"] / out["allowed"], r, rel_tol=1e-6, abs_tol=1e-12)):
+        out.update(measure=out["measure"] + " ulps", error=r * ULP_PASS, allowed=ULP_PASS)
+    return {**out, "ratio": finite_ratio(r)}
 
 
 _last_progress = [0.0]  # one progress line per PROGRESS_ENV seconds in this process, whichever test prints it
@@ -149,12 +173,9 @@ def run_check(check: str, backend, case: Case, *, recorder: Recorder | None = No
     if result.skipped:
         pytest.skip(result.skipped)
     if recorder is not None:
-        if not result.passed and recorder.backend != result.backend:
-            # replay by the name the run was given (module:attr), which the backend's .name may not resolve
-            result.message = result.message.replace(repro_command(result.backend, result.check, case),
-                                                    repro_command(recorder.backend, result.check, case))
-        recorder.add(result)
-    if currently_in_test_context():
-        target(finite_ratio(result.ratio), label=f"{check} ratio")
+        recorder.add(result.replayed_as(recorder.backend))
+    if currently_in_test_context() and measured(result.ratio) is not None:
+        # a failure without a measure is no score to climb (and 1e9 would only clutter Hypothesis's report)
+        target(result.ratio, label=f"{check} ratio")
     result.raise_if_failed()
     return result

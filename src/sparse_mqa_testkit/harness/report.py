@@ -6,13 +6,18 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+
+import pytest
 
 from . import gpu_workers, profiles
 from .recording import PROPERTY
-from .state import SuiteState, run_state
-from .table import format_table, summarize, timings, write_json
+from .state import SuiteState, run_state, selected
+from .table import format_table, summarize, timings, verdict_line, write_json
 
 
 def _version(dist: str) -> str:
@@ -53,14 +58,77 @@ def header(config) -> list[str]:
 
 
 class Reports:
-    """Collects the reports of suite tests (the controller receives every worker's under xdist)."""
+    """Collects the reports of suite tests (the controller receives every worker's under xdist). With
+    ``--smqa-verdicts`` it prints each test's verdict line as it finishes; with ``--smqa-json`` it rewrites the
+    JSON as results arrive. With either, SIGTERM ends the run as Ctrl-C does, so pytest still prints the table
+    and the JSON says what finished."""
 
     def __init__(self, config):
         self.config = config
+        controller = getattr(config, "workerinput", None) is None  # under xdist, the one that gets every report
+        self.live = controller and bool(config.getoption("smqa_verdicts"))
+        self.written = 0.0
+        self.signals = {}
+        if controller and (self.live or config.getoption("smqa_json")):
+            self.signals = stop_on_signals()
 
     def pytest_runtest_logreport(self, report):
-        if any(k == PROPERTY for k, _ in report.user_properties):
-            run_state(self.config).reports.append(report)
+        state = run_state(self.config)
+        if report.when == "call" or not report.passed:
+            state.finished.add(report.nodeid)
+        if not any(k == PROPERTY for k, _ in report.user_properties):
+            return
+        state.reports.append(report)
+        row = summarize([report])
+        if not row:
+            return  # a setup that passed: the test is still running
+        if self.live:
+            tr = self.config.pluginmanager.getplugin("terminalreporter")
+            for line in verdict_line(row[0]).splitlines():
+                if tr is not None:
+                    tr.write_line(line)
+                else:
+                    print(line, file=sys.stderr, flush=True)
+        if time.monotonic() - self.written > WRITE_EVERY:
+            write(self.config, None)
+            self.written = time.monotonic()
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        state = run_state(self.config)
+        if not state.collected:  # the workers collect the same tests; the controller runs none itself
+            state.collected = list(ids)
+
+    def pytest_unconfigure(self, config):
+        for sig, handler in self.signals.items():
+            signal.signal(sig, handler)
+
+
+WRITE_EVERY = 1.0  # seconds between rewrites of the JSON while the run goes on
+REPEAT_S = 5.0  # a second signal this soon after the first is the same stop
+
+
+def stop_on_signals() -> dict:
+    """SIGTERM (and SIGINT) raise KeyboardInterrupt, which pytest answers by reporting what finished; a repeat
+    within ``REPEAT_S`` is the same stop (``timeout`` signals the whole process group and sparse-mqa-check
+    forwards what it receives) and is ignored. Returns the handlers it replaced (restored at unconfigure); only
+    the main thread can install them, and a handler the user installed is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    first: list[float] = []
+
+    def handler(signum, frame):
+        now = time.monotonic()
+        if first and now - first[0] < REPEAT_S:
+            return
+        first[:] = [now]
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+    replaced = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            replaced[sig] = signal.signal(sig, handler)
+    return replaced
 
 
 def summary(terminalreporter) -> None:
@@ -99,11 +167,24 @@ def merge_worker(state: SuiteState, worker_id: str, out: dict) -> None:
             state.compile[name] = done
 
 
-def write(config, exitstatus) -> None:
-    """The JSON file of --smqa-json (controller only, once the run used the suite)."""
+def write(config, exitstatus, final: bool = False) -> None:
+    """The JSON file of --smqa-json (controller only, once the run used the suite): ``status`` "running" while
+    the run goes on, then "finished", or "interrupted" (Ctrl-C, SIGTERM); ``unfinished``: the suite tests that
+    have no result."""
+    if getattr(config, "workerinput", None) is not None:
+        return  # an xdist worker sees its own tests only: the controller writes
     path = config.getoption("smqa_json")
     state = run_state(config)
+    if path and state.profile is None and state.reports:
+        try:  # an xdist controller given its backends by $SMQA_BACKEND alone has not loaded them yet
+            selected(config)
+        except pytest.UsageError:
+            pass  # the run reported it
     if path and state.profile is not None:
         rows = summarize(state.reports)
-        write_json(path, rows, backends=state.names, profile=state.profile, exitstatus=int(exitstatus),
+        status = "running" if not final else \
+            "interrupted" if exitstatus == pytest.ExitCode.INTERRUPTED else "finished"
+        write_json(path, rows, backends=state.names, profile=state.profile,
+                   exitstatus=None if exitstatus is None else int(exitstatus), status=status,
+                   unfinished=[n for n in state.collected if n not in state.finished],
                    timing=timings(rows, state.compile))

@@ -16,9 +16,8 @@ from ..cases.planning import Plan, compile_budget, plan_backend
 from ..checks.registry import CHECKS
 from ..checks.result import exception_summary
 from . import profiles
+from .options import BACKEND_ENV, LIMITS_ENV, as_typed
 
-BACKEND_ENV = "SMQA_BACKEND"
-LIMITS_ENV = "SMQA_LIMITS"
 _KEY = pytest.StashKey["SuiteState"]()
 
 
@@ -26,11 +25,13 @@ _KEY = pytest.StashKey["SuiteState"]()
 class SuiteState:
     """names: the backends as the run gave them (a registered name or module:attr). After ``selected``:
     profile and its Hypothesis ``settings``, size ``limits``, compile ``budget``, the ``checks`` asked for, the
-    loaded ``specs`` and their ``plans`` by name, and ``missing`` (name -> why its package is absent, with
-    --smqa-allow-missing). Collected along the run: ``reports`` (the suite tests'), ``compile`` (warm-up per
+    loaded ``specs`` and their ``plans`` by name (each made on first use, ``plan``), and ``missing`` (name -> why
+    its package is absent, with --smqa-allow-missing). Collected along the run: ``collected`` (the suite tests'
+    node ids), ``finished`` (the tests with a result), ``reports`` (the suite tests'), ``compile`` (warm-up per
     backend), ``drawn`` (smqa_case's cases), ``workers`` (xdist workers and their GPUs)."""
 
     names: list[str] | None = None
+    given_as: str = "--smqa-backend "  # where the names came from, as an error message names it
     error: str | None = None
     profile: str | None = None
     settings: object = None
@@ -41,6 +42,8 @@ class SuiteState:
     plans: dict[str, Plan] = field(default_factory=dict)
     missing: dict[str, str] = field(default_factory=dict)
     pool_used: bool = True
+    collected: list = field(default_factory=list)  # the node ids of the suite tests the run will run
+    finished: set = field(default_factory=set)  # the node ids of the tests that have a result
     reports: list = field(default_factory=list)
     compile: dict = field(default_factory=dict)
     drawn: dict = field(default_factory=dict)
@@ -50,15 +53,26 @@ class SuiteState:
         """The name the run gave a loaded backend object."""
         return next(n for n, s in self.specs.items() if s.backend is backend)
 
+    def plan(self, name: str) -> Plan:
+        """A loaded backend's plan, made on first use: its pool's cases are drawn by Hypothesis, which expects
+        no draws while pytest starts (plugins, conftest, session start)."""
+        if name not in self.plans:
+            self.plans[name] = plan_backend(self.specs[name], profile=self.profile, budget=self.budget,
+                                            limits=self.limits)
+        return self.plans[name]
+
     def plan_of(self, backend) -> Plan:
-        return self.plans[self.name_of(backend)]
+        return self.plan(self.name_of(backend))
 
 
-def backend_names(config) -> list[str]:
-    """The backends the run names (option, else $SMQA_BACKEND), else the machine's default; each once."""
-    given = config.getoption("smqa_backend") or [os.environ.get(BACKEND_ENV, "")]
+def backend_names(config) -> tuple[list[str], str]:
+    """The backends the run names (option, else $SMQA_BACKEND), else the machine's default, each once; and where
+    they came from, as a message names it (``--smqa-backend `` or ``SMQA_BACKEND=``)."""
+    option = config.getoption("smqa_backend")
+    given = option or [os.environ.get(BACKEND_ENV, "")]
     names = [n.strip() for arg in given for n in arg.split(",") if n.strip()]
-    return list(dict.fromkeys(names or [default_backend_name()]))
+    where = "--smqa-backend " if option else f"{BACKEND_ENV}=" if names else "the default backend "
+    return list(dict.fromkeys(names or [default_backend_name()])), where
 
 
 def run_state(config) -> SuiteState:
@@ -68,7 +82,7 @@ def run_state(config) -> SuiteState:
         config.stash[_KEY] = SuiteState()
     state = config.stash[_KEY]
     if state.names is None:
-        state.names = backend_names(config)
+        state.names, state.given_as = backend_names(config)
     return state
 
 
@@ -82,8 +96,8 @@ def selected(config) -> SuiteState:
         try:
             _select(config, state)
         except pytest.UsageError as e:
-            state.error = str(e)
-            raise
+            state.error = as_typed(str(e))
+            raise pytest.UsageError(state.error) from None
     return state
 
 
@@ -103,29 +117,29 @@ def _select(config, state: SuiteState) -> None:
         raise pytest.UsageError(f"--smqa-check {', '.join(unknown)}: not a check; choose from {', '.join(CHECKS)}")
     state.checks = wanted
     for name in state.names:
-        _load(config, state, name, profile)
+        _load(config, state, name, profile, f"{state.given_as}{name}")
     state.profile = profile
 
 
-def _load(config, state: SuiteState, name: str, profile: str) -> None:
-    """Load and plan one backend, or raise pytest.UsageError saying why it cannot be (a missing optional package
-    is a skip with --smqa-allow-missing)."""
+def _load(config, state: SuiteState, name: str, profile: str, given: str) -> None:
+    """Load and plan one backend, or raise pytest.UsageError saying why it cannot be, starting with how the run
+    ``given`` it (a missing optional package is a skip with --smqa-allow-missing)."""
     try:
         spec = BackendSpec.of(get_backend(name))
         spec.require()
     except BackendNotFound as e:
-        raise pytest.UsageError(f"--smqa-backend {name}: {e}") from None
+        raise pytest.UsageError(f"{given}: {e}") from None
     except MissingDependency as e:
         if config.getoption("smqa_allow_missing"):
             state.missing[name] = str(e)
             return
-        raise pytest.UsageError(f"--smqa-backend {name}: {e}\n(pass --smqa-allow-missing to skip its tests "
+        raise pytest.UsageError(f"{given}: {e}\n(pass --smqa-allow-missing to skip its tests "
                                 "instead)") from None
     except Exception as e:  # a broken backend module is an error, with where it broke: never a skip
-        raise pytest.UsageError(f"--smqa-backend {name}: loading it raised {exception_summary(e, frames=6)}") \
+        raise pytest.UsageError(f"{given}: loading it raised {exception_summary(e, frames=6)}") \
             from None
-    try:
-        state.plans[name] = plan_backend(spec, profile=profile, budget=state.budget, limits=state.limits)
+    try:  # what its plan would refuse, found without drawing; the plan itself is made on first use
+        plan_backend(spec, profile=profile, budget=state.budget, limits=state.limits, draws=0)
     except ValueError as e:
-        raise pytest.UsageError(f"--smqa-backend {name}: {e}") from None
+        raise pytest.UsageError(f"{given}: {e}") from None
     state.specs[name] = spec

@@ -1,11 +1,15 @@
 """The conformance table: one row per suite test from pytest's reports, printed and written as JSON.
 
-check | backend | cases | worst error vs allowed | verdict, then the boundary classes covered per backend.
+check | backend | cases | worst error vs allowed | verdict, then the boundary classes covered per backend. The
+worst cell shows one measure, whose error / allowed is its ratio: the whole tensor's, or its worst row's (with the
+row's index) where that row's ratio is the larger.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 from ..cases.strategies import COMMON_TILES
@@ -13,12 +17,13 @@ from .recording import PROPERTY, merge_coverage, worst_rank
 
 
 def summarize(reports) -> list[dict]:
-    """One row per suite test from pytest reports (call phase, or setup when skipped/errored)."""
+    """One row per suite test from pytest reports: its call phase, or a setup or teardown that skipped or
+    raised. A setup or teardown that passed says nothing of the test's outcome and makes no row."""
     rows = {}
     for rep in reports:
         props = dict(getattr(rep, "user_properties", ()) or ())
         data = props.get(PROPERTY)
-        if data is None:
+        if data is None or (rep.when != "call" and rep.passed):
             continue
         if rep.when == "call" or rep.nodeid not in rows:
             outcome = rep.outcome if rep.when == "call" else ("skipped" if rep.skipped else "error")
@@ -52,8 +57,12 @@ def timings(rows: list[dict], compile: dict) -> dict:
 
 
 def write_json(path, rows: list[dict], **meta) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({**meta, "rows": rows, "coverage": coverage(rows)}, indent=1))
+    """The rows and their coverage as JSON, replaced in one step (a reader, or a kill, never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**meta, "rows": rows, "coverage": coverage(rows)}, indent=1))
+    os.replace(tmp, path)
 
 
 def merged(rows: list[dict]) -> list[dict]:
@@ -84,16 +93,34 @@ def _worst_text(row: dict) -> str:
     if w.get("ratio") is None:
         reason = w.get("reason", "failed")
         return reason if len(reason) <= 60 else reason[:57] + "..."
-    if "tensor" in w:
-        return f"{w['tensor']} {w['error']:.3g} / {w['allowed']:.3g} ({w['ratio']:.2f})"
-    return f"ratio {w['ratio']:.2f}"
+    if "tensor" not in w:
+        return f"ratio {w['ratio']:.2f}"
+    kind = w.get("measure", "whole")
+    if kind == "bitwise":
+        return f"{w['tensor']} bitwise equal"
+    where = f" row {tuple(w.get('row', ()))}" if kind.startswith("row") else ""
+    unit = " ulps" if kind.endswith("ulps") else ""
+    return f"{w['tensor']}{where} {w['error']:.3g}{unit} / {w['allowed']:.3g} ({w['ratio']:.2f})"
+
+
+def verdict_line(row: dict) -> str:
+    """One finished suite test as a line: verdict, test, cases, the worst measure, seconds; then a failure's replay
+    line."""
+    verdict = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR"}.get(row["outcome"],
+                                                                                          row["outcome"].upper())
+    name = re.sub(r"@[^\]]*$", "", row["nodeid"].rpartition("::")[2])  # without an xdist group
+    tail = f" ({row['reason']})" if row.get("reason") else f", {_worst_text(row)}"
+    line = f"[smqa] {verdict} {name}: {row['cases']} cases{tail}, {row.get('duration', 0.0):.1f} s"
+    if row.get("failure"):
+        line += f"\n  replay: {row['failure']['repro']}"
+    return line
 
 
 def format_table(rows: list[dict], timing: dict | None = None) -> str:
     """check | backend | cases | worst error vs allowed | verdict, then per backend the compile and check time,
     the boundary classes covered and those its domain cannot reach."""
     verdict = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR"}
-    table = [("check", "backend", "cases", "worst error / allowed (ratio)", "verdict")]
+    table = [("check", "backend", "cases", "worst: tensor [row] error / allowed (ratio)", "verdict")]
     rows = merged(rows)
     for r in sorted(rows, key=lambda r: (r["backend"], r["check"])):
         v = verdict.get(r["outcome"], r["outcome"].upper())
@@ -114,7 +141,7 @@ def format_table(rows: list[dict], timing: dict | None = None) -> str:
                           {r["backend"] for r in rows if r.get("tiles")}):
         lines += ["", f"warning: {backend} declares no tiles: its cases were drawn near the common tile sizes "
                       f"{', '.join(map(str, COMMON_TILES))} (declare tiles = {{'head_group': .., 'query_chunk': .., "
-                      "'topk_block': ..}} to test yours)"]
+                      "'topk_block': ..} to test yours)"]
     for backend, labels in coverage(rows).items():
         if not labels:
             continue

@@ -16,17 +16,19 @@ and the boundary classes covered. Exit status: 0 when every check passed, non-ze
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import sys
 import time
 from pathlib import Path
 
-from ..backends import available_backends, default_backend_name, get_backend
+from ..backends import BackendNotFound, MissingDependency, available_backends, default_backend_name, get_backend
 from ..backends.registry import describe_backends
 from ..backends.spec import BackendSpec
 from ..cases import Case
 from ..cases.planning import compile_budget, plan_backend
 from ..checks.registry import CHECKS, get_check
+from ..checks.result import exception_summary
 from ..harness.profiles import PROFILES, profile_name
 from ..harness.table import merged
 from . import isolate as isolation
@@ -44,7 +46,9 @@ def parser() -> argparse.ArgumentParser:
                          "this machine's GPU, else reference)")
     ap.add_argument("--profile", choices=PROFILES, help="Hypothesis profile (default $SMQA_PROFILE or dev)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    ap.add_argument("--database", metavar="DIR", help="Hypothesis example database directory")
+    ap.add_argument("--database", metavar="DIR|redis://HOST:PORT[/DB]",
+                    help="Hypothesis example database: directories and Redis URLs, comma-separated, all read and "
+                         "written (default $SMQA_DATABASE, else ./.hypothesis/smqa)")
     ap.add_argument("--check", metavar="NAME", choices=list(CHECKS),
                     help=f"only this check ({', '.join(CHECKS)}); with --replay, the check to replay")
     ap.add_argument("--replay", metavar='"Case(...)"', help="run --check once on this case and print the result")
@@ -68,6 +72,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--precompile", metavar="DIR",
                     help="compile every kernel variant of the named backends (default: every installed backend "
                          "that can) into the cache directory DIR")
+    ap.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="--precompile: compile with N processes, for a backend whose precompile takes jobs")
     ap.add_argument("--budget", type=float, metavar="SECONDS", help="nightly: search for this long")
     ap.add_argument("--out", metavar="DIR", help="nightly: reproducers, round logs and the ledger go here")
     ap.add_argument("--ledger", metavar="PATH", help="nightly: JSON ledger of ratios per boundary class "
@@ -88,7 +94,7 @@ def main(argv=None) -> int:
     if args.compile_budget is not None:
         extra = ["--smqa-compile-budget", str(args.compile_budget), *extra]
     if args.precompile:
-        return precompile(args.precompile, args.backend)
+        return precompile(args.precompile, args.backend, args.jobs)
     backends = args.backend or [_default_backend()]
     if args.isolate:
         return isolate(backends, args.isolate, args.check, args.profile, args.replay)
@@ -117,6 +123,13 @@ def main(argv=None) -> int:
         print(f"sparse-mqa-check: nothing was checked: {'; '.join(reasons)}")
         rc = 1
     verdict = "FAIL" if rc != 0 else "PASS"
+    if data.get("status") == "interrupted":
+        verdict = f"INTERRUPTED (by {data.get('stopped_by', 'a signal')}; what finished is above"
+        verdict += f" and in {args.json})" if args.json else ")"
+    if not data:  # the suite never started (a usage error, a backend that did not load): the child said why
+        print(f"sparse-mqa-check: {verdict}: the suite did not run on backend {', '.join(backends)} (pytest exit "
+              f"status {rc}, see above), {time.monotonic() - t0:.0f} s")
+        return rc or 1
     timing = data.get("timing") or {}
     split = "".join(f", {b}: warm-up {t['compile_s']:.0f} s, checks {t['check_s']:.0f} s"
                     for b, t in timing.items() if t.get("compile_s") is not None)
@@ -126,6 +139,9 @@ def main(argv=None) -> int:
     for r in failed:
         if r.get("failure"):
             print(f"  replay: {r['failure']['repro']}{_ratios(r['failure'])}")
+    if data.get("status") == "interrupted":
+        unfinished = [n.rpartition("::")[2] for n in data.get("unfinished", [])]
+        print(f"  unfinished ({len(unfinished)}): {', '.join(unfinished) or 'none'}")
     return rc
 
 
@@ -147,17 +163,34 @@ def replay(backend_name: str, check: str, expr: str, repeats: int | None = None)
     case = _case(expr)
     if case is None:
         return 2
-    spec = BackendSpec.of(get_backend(backend_name))
+    spec = load(backend_name)
+    if spec is None:
+        return 2
     spec.warmup([case])
     result = get_check(check).function(spec, case, **({"repeats": repeats} if repeats else {}))
     if result.skipped:
         print(f"SKIP: {check} on backend {backend_name}: {result.skipped}\ncase: {case.describe()}")
         return 1
+    result = result.replayed_as(backend_name)
     if result.passed:
         print(f"PASS: {check} on backend {backend_name}: worst ratio {result.ratio:.3g}\ncase: {case.describe()}")
         return 0
     print(result.message)
     return 1
+
+
+def load(name: str) -> BackendSpec | None:
+    """The backend ``--backend`` names, or None after saying in one line why it cannot be loaded (with the last
+    frames when its own module raised)."""
+    try:
+        spec = BackendSpec.of(get_backend(name))
+        spec.require()
+        return spec
+    except (BackendNotFound, MissingDependency) as e:
+        print(f"sparse-mqa-check: --backend {name}: {e}", file=sys.stderr)
+    except Exception as e:
+        print(f"sparse-mqa-check: --backend {name}: loading it raised {exception_summary(e)}", file=sys.stderr)
+    return None
 
 
 def list_backends() -> int:
@@ -194,7 +227,9 @@ def sanitize(backends, tools: str, profile, replay_expr=None) -> int:
         return 2
     rc = 0
     for name in backends:
-        backend = BackendSpec.of(get_backend(name))
+        backend = load(name)
+        if backend is None:
+            return 2
         if backend.device == "cpu":
             print(f"sanitize {name}: runs on the CPU: nothing for compute-sanitizer to check: NOT sanitized")
             rc = max(rc, san.NOT_RUN)
@@ -206,7 +241,8 @@ def sanitize(backends, tools: str, profile, replay_expr=None) -> int:
             cases = [case]
         else:
             prof = profile_name(profile)
-            cases = list(plan_backend(backend, profile=prof, budget=compile_budget(None, prof)).boundaries.examples)
+            plan = plan_backend(backend, profile=prof, budget=compile_budget(None, prof), draws=0)
+            cases = list(plan.boundaries.examples)
         status = san.run(name, cases, chosen)
         rc = 1 if 1 in (rc, status) else max(rc, status)
     return rc
@@ -231,15 +267,17 @@ def isolate(backends, seconds: float, check, profile, replay_expr=None) -> int:
     return rc
 
 
-def precompile(directory, names=None) -> int:
+def precompile(directory, names=None, jobs: int = 1) -> int:
     """Compile every kernel variant of each backend (``names``, else every installed one that has a
-    ``precompile(directory)``) into the cache ``directory``; works on a machine without a GPU."""
+    ``precompile(directory)``) into the cache ``directory``, by ``jobs`` processes where the backend takes them;
+    works on a machine without a GPU."""
     where = Path(directory).resolve()
     where.mkdir(parents=True, exist_ok=True)
     rc, total = 0, 0
     for name in names or available_backends():
         try:
-            fn = BackendSpec.of(get_backend(name)).precompile
+            spec = BackendSpec.of(get_backend(name))
+            fn = spec.precompile
         except Exception as e:
             print(f"{name}: cannot be loaded ({type(e).__name__}: {e}); its kernels were NOT precompiled")
             rc = 1
@@ -250,13 +288,14 @@ def precompile(directory, names=None) -> int:
             continue
         t0 = time.monotonic()
         try:
-            variants = list(fn(where))
+            variants = spec.precompile_into(where, jobs)
         except Exception as e:  # one backend's failure must not stop the others' caches from filling
             print(f"{name}: precompile() failed after {time.monotonic() - t0:.1f} s: {type(e).__name__}: {e}")
             rc = 1
             continue
         total += len(variants)
-        print(f"{name}: {len(variants)} kernel variants compiled in {time.monotonic() - t0:.1f} s")
+        by = f" by {jobs} processes" if jobs > 1 and "jobs" in inspect.signature(fn).parameters else ""
+        print(f"{name}: {len(variants)} kernel variants compiled in {time.monotonic() - t0:.1f} s{by}")
         for v in variants:
             print(f"  {v}")
     print(f"cache {where}: {total} variants{'' if rc == 0 else ' (incomplete, see above)'}")

@@ -14,13 +14,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import pkgutil
 import re
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .. import property_tests
 from ..harness import hypothesis_compat, profiles
 from ..harness.recording import DEADLINE_ENV, PROGRESS_ENV, merge_coverage
 from .runner import run_suite
@@ -37,7 +36,7 @@ def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None
     ledger = Path(ledger or out / "ledger.json")
     start = time.monotonic()
     deadline = start + budget
-    n, rounds, examples, failed_rows, last_round = FIRST_ROUND, 0, 0, [], 0.0
+    n, rounds, examples, failed_rows, last_round, stopped = FIRST_ROUND, 0, 0, [], 0.0, 0
     classes: dict = {}  # backend -> check -> label -> {"n", "max_ratio"}
     print(f"[nightly] backends {', '.join(backends)}; budget {budget:.0f} s; database {database}; out {out}",
           flush=True)
@@ -61,8 +60,13 @@ def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None
         print(f"[nightly] round {rounds}: {n} examples/test, {cases} cases in {last_round:.0f} s; total "
               f"{examples} cases, {len(failed_rows)} failures, {max(0.0, deadline - time.monotonic()):.0f} s left",
               flush=True)
+        if data.get("status") == "interrupted":  # a signal or the time limit: what finished still counts
+            stopped = rc
+            print(f"[nightly] round {rounds} interrupted ({data.get('stopped_by', 'a signal')}): "
+                  f"{len(data.get('unfinished', []))} tests unfinished", flush=True)
+            break
         if rc != 0:
-            if not failed_rows:  # pytest itself failed (usage error, crash, timeout): report it as a failure
+            if not failed_rows:  # pytest itself failed (usage error, crash): report it as a failure
                 failed_rows = [{"check": "suite", "backend": ",".join(backends), "nodeid": "-",
                                 "failure": None, "outcome": f"pytest exit status {rc}"}]
             break
@@ -74,9 +78,10 @@ def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None
         print(f"[nightly] FAILURE {row['check']} on {row['backend']}: reproducer {path}", flush=True)
     append_ledger(ledger, classes, backends=backends, profile=profile, budget=budget, elapsed=elapsed,
                   rounds=rounds, examples=examples, failures=len(failed_rows))
-    print(f"[nightly] {'FAIL' if failed_rows else 'PASS'}: {rounds} rounds, {examples} cases, "
+    verdict = "FAIL" if failed_rows else "INTERRUPTED" if stopped else "PASS"
+    print(f"[nightly] {verdict}: {rounds} rounds, {examples} cases, "
           f"{len(failed_rows)} failures in {elapsed:.0f} s; ledger {ledger}", flush=True)
-    return 1 if failed_rows else 0
+    return 1 if failed_rows else stopped
 
 
 def nightly_database(spec, out: Path) -> str:
@@ -122,31 +127,54 @@ def write_reproducer(out: Path, row: dict) -> Path:
 
 
 def suite_patch(row: dict, out: Path) -> Path | None:
-    """Hypothesis's own ``@example`` patch for the suite test that failed (best effort: None if unavailable).
+    """Hypothesis's own ``@example`` patch for the test that failed, the one the row's ``test`` names (the suite's
+    or the user's own), or None (best effort, saying why).
 
     Written here because Hypothesis cannot write it itself: the falsifying example it prints includes the
     ``smqa_backend`` fixture, whose repr is not Python.
     """
     try:
-        # the failing test: a check's own (test_check, parametrized over the registry) or coverage's
-        func_name = "test_check_outside_domain" if row["check"].endswith("_outside_domain") else "test_check"
-        for info in pkgutil.iter_modules(property_tests.__path__):
-            module = importlib.import_module(f"{property_tests.__name__}.{info.name}")
-            func = getattr(module, func_name, None)
-            if func is not None:
-                patch = hypothesis_compat.example_patch(func, f"{func_name}(case={row['failure']['case']})")
-                if patch is None:
-                    print(f"[nightly] no Hypothesis patch for {row['check']}: it could not locate "
-                          f"{func_name} in {module.__file__}", flush=True)
-                    return None
-                slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{row['backend']}-{row['check']}")
-                path = out / f"reproducer-{slug}.patch"
-                path.write_text(patch)
-                return path
+        func = named_test(row.get("test") or "")
+        if func is None:
+            print(f"[nightly] no Hypothesis patch for {row['check']}: its row names no test file "
+                  f"({row.get('nodeid')!r})", flush=True)
+            return None
+        patch = hypothesis_compat.example_patch(func, f"{func.__name__}(case={row['failure']['case']})")
+        if patch is None:
+            print(f"[nightly] no Hypothesis patch for {row['check']}: it could not locate {func.__name__} in "
+                  f"{getattr(sys.modules.get(func.__module__), '__file__', func.__module__)}", flush=True)
+            return None
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{row['backend']}-{row['check']}")
+        path = out / f"reproducer-{slug}.patch"
+        path.write_text(patch)
+        return path
     except Exception as e:  # a private Hypothesis helper: never let it hide the failure itself
         print(f"[nightly] no Hypothesis patch for {row['check']}: {type(e).__name__}: {e}", flush=True)
         return None
-    return None
+
+
+def named_test(test: str):
+    """The function ``FILE::[Class::]name`` names (a row's ``test``), importing its file as pytest does by default
+    (the first directory up without ``__init__.py`` on sys.path, the module named from there); None when it
+    names no file."""
+    path, _, rest = test.partition("::")
+    file = Path(path).resolve()
+    if not path or not rest or not file.is_file():
+        return None
+    module = next((m for m in list(sys.modules.values())
+                   if getattr(m, "__file__", None) and Path(m.__file__).resolve() == file), None)
+    if module is None:
+        parts, base = [file.stem], file.parent
+        while (base / "__init__.py").exists():
+            parts.insert(0, base.name)
+            base = base.parent
+        if str(base) not in sys.path:
+            sys.path.insert(0, str(base))
+        module = importlib.import_module(".".join(parts))
+    obj = module
+    for name in rest.split("::"):
+        obj = getattr(obj, name)
+    return obj
 
 
 def append_ledger(path: Path, classes: dict, **meta) -> None:
