@@ -197,13 +197,18 @@ def test_prep_pass_matches_its_formulas(H, dims, sink):
     if sink:
         attn_sink = torch.randn(H, device="cuda", generator=g)
         attn_sink[0] = 30.0
-    delta, fx, F = backward._prep(q, kv, out, go, lse, attn_sink, sm_scale, Dv)
-    again = backward._prep(q, kv, out, go, lse, attn_sink, sm_scale, Dv)
+    L = 8
+    indices = torch.randint(0, 40, (B, S, L), device="cuda", generator=g).to(torch.int32)  # rows 40-49 unnamed
+    indices[0, 0, 0] = -1
+    tl = torch.full((B, S), L, dtype=torch.int32, device="cuda")
+    kv[:, 45] = 1e4  # a row no slot names: no part of the bound
+    delta, fx, F = backward._prep(q, kv, out, go, lse, attn_sink, indices, tl, sm_scale, Dv)
+    again = backward._prep(q, kv, out, go, lse, attn_sink, indices, tl, sm_scale, Dv)
     assert all(torch.equal(a, b) for a, b in zip((delta, fx, F), again))
     ref = (out.double() * go.double()).sum(-1)
     bound = (out.double().abs() * go.double().abs()).sum(-1)
     assert ((delta.double() - ref).abs() <= 1e-6 * bound + 1e-30).all()
-    vmax = kv[..., :Dv].double().norm(dim=-1).max()
+    vmax = kv[..., :Dv].double().norm(dim=-1)[bwd_plan.referenced_rows(indices, tl, kv.shape[1])].max()
     mass = 1.0 if attn_sink is None else torch.sigmoid(lse.double() - attn_sink.double())
     G = (mass * (abs(sm_scale) * bwd_plan.DS_BOUND_FACTOR * vmax * q.double().abs().amax(-1) * go.double().norm(dim=-1)
                  + go.double().abs().amax(-1))).sum().item()
