@@ -217,6 +217,16 @@ def _case(expr: str):
     return case
 
 
+def _cases(backend, profile, replay_expr):
+    """The replayed case, else the backend's explicit boundary examples (no drawing); None after saying why a
+    replay expression is bad."""
+    if replay_expr:
+        case = _case(replay_expr)
+        return None if case is None else [case]
+    prof = profile_name(profile)
+    return list(plan_backend(backend, profile=prof, budget=compile_budget(None, prof), draws=0).boundaries.examples)
+
+
 def sanitize(backends, tools: str, profile, replay_expr=None) -> int:
     """Each GPU backend's explicit boundary cases (or one replayed case) under compute-sanitizer."""
     chosen = [t.strip() for t in tools.split(",") if t.strip()]
@@ -234,15 +244,9 @@ def sanitize(backends, tools: str, profile, replay_expr=None) -> int:
             print(f"sanitize {name}: runs on the CPU: nothing for compute-sanitizer to check: NOT sanitized")
             rc = max(rc, san.NOT_RUN)
             continue
-        if replay_expr:
-            case = _case(replay_expr)
-            if case is None:
-                return 2
-            cases = [case]
-        else:
-            prof = profile_name(profile)
-            plan = plan_backend(backend, profile=prof, budget=compile_budget(None, prof), draws=0)
-            cases = list(plan.boundaries.examples)
+        cases = _cases(backend, profile, replay_expr)
+        if cases is None:
+            return 2
         status = san.run(name, cases, chosen)
         rc = 1 if 1 in (rc, status) else max(rc, status)
     return rc
@@ -254,15 +258,9 @@ def isolate(backends, seconds: float, check, profile, replay_expr=None) -> int:
     checks = [check] if check else ["tolerance", "forward_tolerance", "guards"]
     rc = 0
     for name in backends:
-        if replay_expr:
-            case = _case(replay_expr)
-            if case is None:
-                return 2
-            cases = [case]
-        else:
-            prof = profile_name(profile)
-            spec = BackendSpec.of(get_backend(name))
-            cases = list(plan_backend(spec, profile=prof, budget=compile_budget(None, prof)).boundaries.examples)
+        cases = _cases(get_backend(name), profile, replay_expr)
+        if cases is None:
+            return 2
         rc = max(rc, isolation.run(name, cases, checks, timeout=seconds))
     return rc
 
