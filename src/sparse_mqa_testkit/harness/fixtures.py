@@ -59,17 +59,19 @@ def n_cases(node) -> int:
     return int(marker.args[0]) if marker and marker.args else 3
 
 
-def recorder(item) -> Recorder:
-    """The item's recorder, made on first use and listed in its ``user_properties`` for the table."""
+def recorder(item, check: str | None = None, backend: str | None = None) -> Recorder:
+    """The item's recorder, made on first use (for ``check`` on ``backend``, else as the item's parameters say)
+    and listed in its ``user_properties`` for the table."""
     rec = item.stash.get(_REC, None)
     if rec is None:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        check = params.get("smqa_check") or item.originalname.removeprefix("test_")
-        if params.get("smqa_check") and item.get_closest_marker("smqa_outside_domain") is not None:
-            check += "_outside_domain"
-        if "smqa_case" in params:
-            check += f"[case{params['smqa_case']}]"
-        rec = Recorder(check=check, backend=str(params.get("smqa_backend", "?")), say=say(item.config))
+        if check is None:
+            check = params.get("smqa_check") or item.originalname.removeprefix("test_")
+            if params.get("smqa_check") and item.get_closest_marker("smqa_outside_domain") is not None:
+                check += "_outside_domain"
+            if "smqa_case" in params:
+                check += f"[case{params['smqa_case']}]"
+        rec = Recorder(check=check, backend=backend or str(params.get("smqa_backend", "?")), say=say(item.config))
         item.stash[_REC] = rec
         item.user_properties.append((PROPERTY, rec.data()))
     return rec
@@ -164,13 +166,17 @@ def smqa_backend(request):
     spec = state.specs[name]
     if spec.device != "cpu" and not torch.cuda.is_available():
         no_gpu(request.config, f"backend {name!r} (device {spec.device})")
-    plan = state.plans[name]
-    if not plan.compile and state.pool_used:
-        done = warm_up(plan)  # each pooled kernel key compiled once, before any check, timed apart from them
-        keys = f"{done['keys']} pooled kernel keys" if done["keys"] else "no compile keys declared"
-        say(request.config)(f"[smqa] warm-up {name}: {keys}, {done['seconds']:.1f} s")
-        state.compile[name] = done
+    if not state.plans[name].compile and state.pool_used:
+        warm(request.config, state, name)
     return spec.backend
+
+
+def warm(config, state, name: str) -> None:
+    """The backend's warm-up: each pooled kernel key compiled once, before any check, timed apart from them."""
+    done = warm_up(state.plans[name])
+    keys = f"{done['keys']} pooled kernel keys" if done["keys"] else "no compile keys declared"
+    say(config)(f"[smqa] warm-up {name}: {keys}, {done['seconds']:.1f} s")
+    state.compile[name] = done
 
 
 @pytest.fixture(scope="session")
