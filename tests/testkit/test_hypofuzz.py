@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import signal
+import site
 import subprocess
 import sys
 import time
@@ -50,17 +51,18 @@ def fuzz_pins() -> list[str]:
 
 @pytest.fixture(scope="session")
 def hypofuzz_venv() -> Path:
-    """A venv with the system's packages and the `fuzz` extra's pins (built once per pin set, under a lock for
-    xdist's workers)."""
+    """A venv with this environment's packages and the `fuzz` extra's pins (built once per environment and pin
+    set, under a lock for xdist's workers)."""
     pins = fuzz_pins()
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "sparse-mqa-testkit")
-    venv = cache / ("hypofuzz-" + hashlib.sha256("\n".join([sys.version, *pins]).encode()).hexdigest()[:12])
+    venv = cache / ("hypofuzz-" + hashlib.sha256("\n".join([sys.prefix, sys.version, *pins]).encode()).hexdigest()[:12])
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / (venv.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         marker = venv / "smqa-pins.txt"
         if not marker.exists():
             subprocess.run([sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(venv)], check=True)
+            see_this_environment(venv)
             # not quiet: pip names an unreachable index only in its warnings
             done = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", *pins],
                                   capture_output=True, text=True)
@@ -71,6 +73,17 @@ def hypofuzz_venv() -> Path:
             assert done.returncode == 0, f"pip install {' '.join(pins)} into {venv} failed:\n{out[-4000:]}"
             marker.write_text("\n".join(pins))
     return venv
+
+
+def see_this_environment(venv: Path) -> None:
+    """When this interpreter is itself a venv, --system-site-packages shows the new one only the base
+    interpreter's packages: add this one's site directories after the new venv's own (its Hypothesis wins)."""
+    if sys.prefix == sys.base_prefix:
+        return
+    purelib = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                              "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip()
+    lines = [f"import site; site.addsitedir({d!r})" for d in site.getsitepackages()]
+    (Path(purelib) / "_smqa_outer_site.pth").write_text("\n".join(lines) + "\n")
 
 
 @pytest.fixture
