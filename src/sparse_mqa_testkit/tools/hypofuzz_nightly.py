@@ -36,9 +36,8 @@ from ..harness.recording import merge_coverage
 from .nightly import append_ledger, nightly_database, write_reproducer
 from .runner import SUITE, run_suite
 
-PINNED = "hypofuzz==25.4.8"
-# the newest HypoFuzz that runs with a Hypothesis release -> the first Hypothesis it breaks with (25.4.8 builds
-# a BuildContext without the wrapped_test that 6.133.2 requires; later ones read slice_comments, gone in 6.157.1)
+# HypoFuzz releases up to this one -> the first Hypothesis they break with (25.4.8 builds a BuildContext without
+# the wrapped_test 6.133.2 requires; the later ones read slice_comments, renamed in 6.157.1)
 BREAKS_WITH = {(25, 4, 8): (6, 133, 2), (25, 11, 1): (6, 157, 1)}
 WORKERS_ENV = "SMQA_FUZZ_WORKERS"
 PORT_ENV = "SMQA_DASHBOARD_PORT"
