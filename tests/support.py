@@ -14,6 +14,7 @@ model does not reject a legitimate kernel; the broken backends are the evidence 
 from __future__ import annotations
 
 import math
+import socket
 import weakref
 
 import numpy as np
@@ -739,6 +740,13 @@ class LiveBytes(TorchDispatchMode):
             self.peak = max(self.peak, self.live)
             weakref.finalize(storage, self._freed, key)
         return out
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # ---- calling backends ------------------------------------------------------------------------------------------

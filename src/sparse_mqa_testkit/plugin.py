@@ -7,7 +7,7 @@ it; default $SMQA_BACKEND, else ``backends.default_backend_name()``), ``--smqa-p
 scale, default $SMQA_PROFILE or dev), ``--smqa-database`` (Hypothesis example database, default $SMQA_DATABASE),
 ``--smqa-check NAME`` (only these checks), ``--smqa-json PATH``, ``--smqa-require-gpu`` (a ``gpu`` test fails
 instead of skipping when CUDA is absent), ``--smqa-allow-missing``, ``--smqa-scale``, ``--smqa-limits``,
-``--smqa-compile-budget``.
+``--smqa-compile-budget``, ``--smqa-fuzz`` (the fixture-free fuzz entry HypoFuzz runs, ``harness.fuzzing``).
 
 Markers: ``gpu`` (skipped with the reason when CUDA is absent), ``slow``, ``smqa_cases(n)`` (how many drawn cases
 ``smqa_case`` is parametrized with, default 3), ``smqa_outside_domain`` (``smqa_check`` runs the checks that
@@ -28,7 +28,7 @@ import os
 
 import pytest
 
-from .harness import gpu_workers, options, profiles, report
+from .harness import fuzzing, gpu_workers, options, profiles, report
 from .harness.fixtures import (  # noqa: F401
     NO_GPU,
     SUITE_FIXTURES,
@@ -80,6 +80,7 @@ def pytest_sessionstart(session):
     # command line (it means to use the suite); $SMQA_BACKEND alone is checked where a test uses the suite
     if getattr(session.config, "workerinput", None) is None and session.config.getoption("smqa_backend"):
         selected(session.config)
+    fuzzing.use_database(session.config)  # before collection imports any test module
 
 
 # ---- xdist: a worker per GPU, each pinned, and CPU workers ----------------------------------------------------
@@ -121,6 +122,9 @@ def pytest_report_header(config):
 
 # ---- parametrization and selection ----------------------------------------------------------------------------
 def pytest_generate_tests(metafunc):
+    if fuzzing.ARG in metafunc.fixturenames:
+        fuzzing.parametrize(metafunc)
+        return
     if not any(f in metafunc.fixturenames for f in SUITE_FIXTURES):
         return
     names = run_state(metafunc.config).names
@@ -200,14 +204,9 @@ def pytest_collection_modifyitems(config, items):
     keep, drop = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if item.get_closest_marker("smqa_scale") is not None:
-            chosen = scale_on and params.get("smqa_scale_case") is not None
-        elif profile == "scale" and _is_suite(item):
-            chosen = False  # the scale profile runs the tier alone
-        elif state.checks:
-            chosen = params["smqa_check"] in state.checks if "smqa_check" in params else not _is_suite(item)
-        else:
-            chosen = True
+        chosen = fuzzing.select(item, state, profile)  # None: neither the fuzz entry nor a test it replaces
+        if chosen is None:
+            chosen = _chosen(item, params, state, scale_on, profile)
         (keep if chosen else drop).append(item)
         if chosen and _is_suite(item):
             recorder(item)  # a suite test has a row even when it is skipped
@@ -216,6 +215,16 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def _chosen(item, params, state, scale_on: bool, profile: str) -> bool:
+    if item.get_closest_marker("smqa_scale") is not None:
+        return scale_on and params.get("smqa_scale_case") is not None
+    if profile == "scale" and _is_suite(item):
+        return False  # the scale profile runs the tier alone
+    if state.checks:
+        return params["smqa_check"] in state.checks if "smqa_check" in params else not _is_suite(item)
+    return True
 
 
 def _skip_if_not_applicable(item, state, params) -> None:
@@ -253,6 +262,7 @@ def pytest_runtest_setup(item):
     gpu_workers.before_first_test(item.config, say(item.config))
     if item.get_closest_marker("gpu") is not None and not _cuda_available():
         no_gpu(item.config, "this test")
+    fuzzing.setup(item)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

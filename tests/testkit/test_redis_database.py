@@ -5,48 +5,13 @@ server is an error naming the URL, never a quiet local-only run."""
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import time
 
 import pytest
 
 from sparse_mqa_testkit.harness import profiles
 from sparse_mqa_testkit.tools import runner
 from sparse_mqa_testkit.tools.nightly import run_nightly
-from support import DKV_DOUBLED_SOURCE, DQ_DOUBLED_SOURCE
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def redis_url(tmp_path):
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.skip("needs redis-server (Debian package redis-server; .ci/run installs it)")
-    redis = pytest.importorskip("redis", reason="needs the redis client: pip install 'hypothesis[redis]'")
-    port = _free_port()
-    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.exceptions.ConnectionError:
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        pytest.fail("redis-server did not answer within 5 s")
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+from support import DKV_DOUBLED_SOURCE, DQ_DOUBLED_SOURCE, free_port
 
 
 @pytest.fixture
@@ -63,7 +28,7 @@ def test_an_unreachable_server_is_an_error_naming_the_url():
     import importlib.util
     import re
 
-    url = f"redis://127.0.0.1:{_free_port()}/0"
+    url = f"redis://127.0.0.1:{free_port()}/0"
     # without the redis client (a GPU runner without the test extra) the error says what to install
     why = " is unreachable" if importlib.util.find_spec("redis") else \
         ": a Redis database needs the redis client: pip install 'hypothesis[redis]'"

@@ -282,6 +282,12 @@ class DrawTarget:
     pool: object = None
     limits: dict = field(default_factory=dict)
 
+    def cases(self, *, outside: bool = False, **limits) -> st.SearchStrategy[Case]:
+        """``cases_for`` this backend with this pool and limits (``cases_outside`` with ``outside=True``)."""
+        if outside:
+            return cases_outside(self.backend, **limits)
+        return cases_for(self.backend, pool=self.pool, **{**self.limits, **limits})
+
 
 _BOUND: list[DrawTarget] = []  # innermost last: the target of the test running now (``drawing_for``)
 
@@ -315,9 +321,7 @@ def backend_cases(draw, *, outside: bool = False, **limits) -> Case:
         raise RuntimeError("backend_cases() draws for the backend of the test running it: use it in a test that "
                            "takes the smqa_backend fixture (sparse_mqa_testkit's pytest plugin), or inside "
                            "sparse_mqa_testkit.cases.strategies.drawing_for(DrawTarget(...))")
-    if outside:
-        return draw(cases_outside(target.backend, **limits))
-    return draw(cases_for(target.backend, pool=target.pool, **{**target.limits, **limits}))
+    return draw(target.cases(outside=outside, **limits))
 
 
 def draw_examples(strategy, n: int, seed: int | None = None) -> list:

@@ -61,19 +61,22 @@ def n_cases(node) -> int:
     return int(marker.args[0]) if marker and marker.args else 3
 
 
-def recorder(item) -> Recorder:
-    """The item's recorder, made on first use and listed in its ``user_properties`` for the table."""
+def recorder(item, check: str | None = None, backend: str | None = None) -> Recorder:
+    """The item's recorder, made on first use (for ``check`` on ``backend``, else as the item's parameters say)
+    and listed in its ``user_properties`` for the table."""
     rec = item.stash.get(_REC, None)
     if rec is None:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        check = params.get("smqa_check") or item.originalname.removeprefix("test_")
-        if params.get("smqa_check") and item.get_closest_marker("smqa_outside_domain") is not None:
-            check += "_outside_domain"
-        if "smqa_case" in params:
-            check += f"[case{params['smqa_case']}]"
+        if check is None:
+            check = params.get("smqa_check") or item.originalname.removeprefix("test_")
+            if params.get("smqa_check") and item.get_closest_marker("smqa_outside_domain") is not None:
+                check += "_outside_domain"
+            if "smqa_case" in params:
+                check += f"[case{params['smqa_case']}]"
         name = re.split(r"[\[@]", item.nodeid.partition("::")[2])[0]  # without params or an xdist group
         test = f"{item.path}::{name}"
-        rec = Recorder(check=check, backend=str(params.get("smqa_backend", "?")), test=test, say=say(item.config))
+        rec = Recorder(check=check, backend=backend or str(params.get("smqa_backend", "?")), test=test,
+                       say=say(item.config))
         item.stash[_REC] = rec
         item.user_properties.append((PROPERTY, rec.data()))
     return rec
@@ -168,13 +171,17 @@ def smqa_backend(request):
     spec = state.specs[name]
     if spec.device != "cpu" and not torch.cuda.is_available():
         no_gpu(request.config, f"backend {name!r} (device {spec.device})")
-    plan = state.plan(name)
-    if not plan.compile and state.pool_used:
-        done = warm_up(plan)  # each pooled kernel key compiled once, before any check, timed apart from them
-        keys = f"{done['keys']} pooled kernel keys" if done["keys"] else "no compile keys declared"
-        say(request.config)(f"[smqa] warm-up {name}: {keys}, {done['seconds']:.1f} s")
-        state.compile[name] = done
+    if not state.plan(name).compile and state.pool_used:
+        warm(request.config, state, name)
     return spec.backend
+
+
+def warm(config, state, name: str) -> None:
+    """The backend's warm-up: each pooled kernel key compiled once, before any check, timed apart from them."""
+    done = warm_up(state.plan(name))
+    keys = f"{done['keys']} pooled kernel keys" if done["keys"] else "no compile keys declared"
+    say(config)(f"[smqa] warm-up {name}: {keys}, {done['seconds']:.1f} s")
+    state.compile[name] = done
 
 
 @pytest.fixture(scope="session")
@@ -275,8 +282,9 @@ def smqa_oracle():
     return Oracle()
 
 SUITE_FIXTURES = ("smqa_backend", "smqa_case", "smqa_checks", "smqa_check", "smqa_scale_case")
+FUZZ_ARG = "smqa_target"  # the fuzz entry's one direct parameter (harness/fuzzing.py)
 
 
 def uses_suite(item) -> bool:
-    """The test takes one of the suite's fixtures (it has a row in the conformance table)."""
-    return any(f in getattr(item, "fixturenames", ()) for f in SUITE_FIXTURES)
+    """The test takes one of the suite's fixtures or is the fuzz entry (it has a row in the conformance table)."""
+    return any(f in getattr(item, "fixturenames", ()) for f in (*SUITE_FIXTURES, FUZZ_ARG))

@@ -1,11 +1,12 @@
 """Every use of a private Hypothesis API, in one place.
 
 Hypothesis has no public way to (a) tell whether a test chose its own ``@settings``, (b) give an already
-decorated test other settings, (c) give one of several parametrizations of a test its own example-database key,
-(d) write an ``@example`` patch for a test. These use the attributes Hypothesis itself sets (its own pytest
-plugin does (b) and (c) the same way) and ``hypothesis.extra._patching``. ``check()`` raises, naming what is
-missing, on a Hypothesis where any of them changed; the suite's tests call it, so an incompatible release
-fails loudly instead of silently dropping the profile or the example keys.
+decorated test other settings, (c) give one of several parametrizations of a test its own example-database key
+(and read that key back), (d) write an ``@example`` patch for a test. These use the attributes Hypothesis itself
+sets (its own pytest plugin does (b) and (c) the same way, and HypoFuzz (c)), ``function_digest`` and
+``hypothesis.extra._patching``. ``check()`` raises, naming what is missing, on a Hypothesis where any of them
+changed; the suite's tests call it, so an incompatible release fails loudly instead of silently dropping the
+profile or the example keys.
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ def set_example_key(fn, key: bytes) -> None:
     setattr(inner_test(fn), _DIGEST, key)
 
 
+def example_key(fn) -> bytes:
+    """The example-database key the @given test ``fn`` saves its failures under (as Hypothesis and HypoFuzz
+    compute it: a digest of its source, signature and ``set_example_key``'s bytes)."""
+    reflection = importlib.import_module("hypothesis.internal.reflection")
+    return reflection.function_digest(inner_test(fn))
+
+
 def example_patch(func, call: str) -> str | None:
     """A patch (unified diff) adding ``@example(<call's arguments>)`` above the @given test ``func``, as Hypothesis
     writes for a failure it found; ``call`` is like ``"test_check(case=Case(...))"``. None when the test's source
@@ -69,8 +77,8 @@ def check() -> None:
         missing.append("test.hypothesis.inner_test")
     from hypothesis.internal import reflection
 
-    if _DIGEST not in open(reflection.__file__).read():
-        missing.append(f"{_DIGEST} (a test's example-database key)")
+    if _DIGEST not in open(reflection.__file__).read() or not hasattr(reflection, "function_digest"):
+        missing.append(f"{_DIGEST} and function_digest (a test's example-database key)")
     try:
         patching = importlib.import_module("hypothesis.extra._patching")
         for name in ("get_patch_for", "make_patch", "FAIL_MSG"):

@@ -56,6 +56,10 @@ def add_options(parser) -> None:
     g.addoption("--smqa-scale", action="store_true",
                 help="also run the scale tier: production-shaped cases on each CUDA backend (the scale profile "
                      "runs only that tier)")
+    g.addoption("--smqa-fuzz", action="store_true",
+                help="collect the suite's fixture-free fuzz entry (property_tests/test_fuzz.py, what HypoFuzz "
+                     "runs; always on under HypoFuzz) in place of test_check; with --smqa-database that database "
+                     "becomes Hypothesis's default for the run (default $SMQA_FUZZ)")
     g.addoption("--smqa-limits", default=None, metavar="SIZE=N,...",
                 help="raise or lower the drawn size limits: B, S, Skv, H, L (largest size) and work "
                      f"(B*S*H*L*Dqk); default ${LIMITS_ENV}, e.g. L=130,H=20")

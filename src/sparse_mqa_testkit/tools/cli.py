@@ -6,6 +6,7 @@
     sparse-mqa-check --precompile DIR [--backend NAME]                    # fill kernel caches ahead
     sparse-mqa-check --backend NAME --sanitize [memcheck,racecheck,...]   # boundary cases under compute-sanitizer
     sparse-mqa-check --profile nightly --budget SECONDS --out DIR         # nightly fuzzing (see nightly.py)
+    sparse-mqa-check --budget SECONDS --engine hypofuzz                   # ... on HypoFuzz (hypofuzz_nightly.py)
 
 The suite is ``sparse_mqa_testkit.property_tests`` run by pytest in a child process (a crashing kernel cannot
 take the report with it); the plugin prints the table (check, backend, cases, worst error vs allowed, verdict)
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,9 +35,13 @@ from ..harness.profiles import PROFILES, profile_name
 from ..harness.table import merged
 from . import isolate as isolation
 from . import sanitize as san
+from .hypofuzz_nightly import run_hypofuzz_nightly
 from .nightly import run_nightly
 from .runner import run_suite
 from .sanitize import TOOLS
+
+ENGINES = ("ours", "hypofuzz")
+ENGINE_ENV = "SMQA_ENGINE"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -76,6 +82,8 @@ def parser() -> argparse.ArgumentParser:
                     help="--precompile: compile with N processes, for a backend whose precompile takes jobs")
     ap.add_argument("--budget", type=float, metavar="SECONDS", help="nightly: search for this long")
     ap.add_argument("--out", metavar="DIR", help="nightly: reproducers, round logs and the ledger go here")
+    ap.add_argument("--engine", choices=ENGINES,
+                    help=f"nightly: who searches, our rounds of pytest or HypoFuzz (default ${ENGINE_ENV}, else ours)")
     ap.add_argument("--ledger", metavar="PATH", help="nightly: JSON ledger of ratios per boundary class "
                     "(default OUT/ledger.json; runs are appended)")
     ap.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: extra pytest arguments")
@@ -108,6 +116,13 @@ def main(argv=None) -> int:
             print("sparse-mqa-check: --replay needs --check NAME", file=sys.stderr)
             return 2
         return replay(backends[0], args.check, args.replay, args.repeats)
+    engine = args.engine or os.environ.get(ENGINE_ENV) or ENGINES[0]
+    if args.budget is not None and engine not in ENGINES:
+        print(f"sparse-mqa-check: {ENGINE_ENV} must be one of {', '.join(ENGINES)}, got {engine!r}", file=sys.stderr)
+        return 2
+    if args.budget is not None and engine == "hypofuzz":
+        return run_hypofuzz_nightly(backends, budget=args.budget, out=args.out, database=args.database,
+                                    ledger=args.ledger, profile=args.profile or "nightly", extra=extra)
     if args.budget is not None:
         return run_nightly(backends, budget=args.budget, out=args.out, database=args.database,
                            ledger=args.ledger, profile=args.profile or "nightly", extra=extra)
