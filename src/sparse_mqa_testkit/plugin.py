@@ -112,7 +112,7 @@ def pytest_xdist_make_scheduler(config, log):
 def _controller_gpus(config) -> list[str]:
     cache = config.__dict__.setdefault("_smqa_gpus", [])
     if not cache:
-        cache.append(gpu_workers.visible_gpus())
+        cache.append(gpu_workers.gpu_slots(gpu_workers.visible_gpus()))  # one entry per GPU worker
     return cache[0]
 
 

@@ -185,7 +185,8 @@ def test_a_nightly_failure_in_a_users_own_test_patches_that_test(broken, tmp_pat
     assert run_nightly([broken], budget=60, out=out, extra=["-k", "test_mine", "tests/test_nightly_mine.py"]) == 1
     assert "FAILURE mine" in capfd.readouterr().out
     patch = next(out.glob("reproducer-*.patch")).read_text()
-    assert "+++ ./tests/test_nightly_mine.py" in patch and "+@example(case=Case(" in patch and "test_checks" not in patch
+    assert "+++ ./tests/test_nightly_mine.py" in patch and "+@example(case=Case(" in patch
+    assert "test_checks" not in patch
 
 
 def test_nightly_pass_appends_to_the_ledger_and_compares_with_the_last_run(tmp_path, monkeypatch, capfd):

@@ -28,6 +28,18 @@ def test_one_worker_per_gpu_plus_cpu_workers_and_the_cpu_count_without():
     assert [gpu_workers.is_gpu_worker(f"gw{i}", ["3", "5"]) for i in range(4)] == [True, True, False, False]
 
 
+def test_more_workers_per_gpu_on_request():
+    assert gpu_workers.gpu_slots(["3", "5"], env={}) == ["3", "5"]
+    slots = gpu_workers.gpu_slots(["3", "5"], env={"SMQA_WORKERS_PER_GPU": "2"})
+    assert slots == ["3", "5", "3", "5"]  # consecutive GPU workers on different GPUs
+    assert auto_num_workers(slots, cpu_count=16, env={}) == 4 + 4  # half the cores, less one per GPU worker
+    assert [gpu_for_worker(f"gw{i}", slots) for i in range(6)] == ["3", "5", "3", "5", "3", "5"]
+    assert [gpu_workers.is_gpu_worker(f"gw{i}", slots) for i in range(5)] == [True] * 4 + [False]
+    for bad in ("0", "two"):
+        with pytest.raises(pytest.UsageError, match="SMQA_WORKERS_PER_GPU must be a count of workers \\(1 or more\\)"):
+            gpu_workers.gpu_slots(["0"], env={"SMQA_WORKERS_PER_GPU": bad})
+
+
 def test_workers_map_round_robin_and_the_controller_pins_nothing():
     gpus = ["3", "5"]
     assert [gpu_for_worker(f"gw{i}", gpus) for i in range(5)] == ["3", "5", "3", "5", "3"]
@@ -125,6 +137,29 @@ def test_gpu_tests_run_on_the_gpu_worker_and_cpu_tests_on_cpu_workers(pytester, 
     assert all("@smqa-gpu:" in t for t in gpu)
     cpu = {t: w for t, w in ran.items() if t not in gpu}
     assert {"gw1", "gw2"} <= set(cpu.values()) and "test_suite[reference]" in cpu
+
+
+def test_two_workers_on_one_gpu_run_its_groups_side_by_side(pytester, monkeypatch):
+    """SMQA_WORKERS_PER_GPU=2 on one (faked) GPU: gw0 and gw1 are both GPU workers of GPU 0 and take one GPU group
+    each (the gpu-marked module, the CUDA backend's suite tests); gw2 runs the CPU tests."""
+    import re
+
+    monkeypatch.setattr(gpu_workers, "cuda_device_count", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
+    monkeypatch.setenv("SMQA_CPU_WORKERS", "1")
+    monkeypatch.setenv("SMQA_WORKERS_PER_GPU", "2")
+    pytester.makepyfile(test_routed=ROUTED, gpukernels=ON_GPU)
+    pytester.syspathinsert()
+    r = pytester.runpytest_inprocess("-n", "auto", "-v", "-p", "no:cacheprovider", "-p", "sparse_mqa_testkit.plugin",
+                                     "--smqa-backend", "reference,gpukernels:OnGpu")
+    r.assert_outcomes(passed=10 + 1, skipped=4 + 1)
+    r.stdout.fnmatch_lines(["*3 workers*", "gw0: CUDA_VISIBLE_DEVICES=0 *", "gw1: CUDA_VISIBLE_DEVICES=0 *"])
+    ran = {m.group(2): m.group(1) for m in
+           re.finditer(r"\[(gw\d)\] \[ *\d+%\] \w+ +test_routed\.py::(\S+)", r.stdout.str())}
+    on_gpu = {w for t, w in ran.items() if t.startswith("test_on_gpu")}
+    suite = {w for t, w in ran.items() if "OnGpu" in t}
+    assert len(on_gpu) == 1 and len(suite) == 1 and on_gpu | suite == {"gw0", "gw1"}, r.stdout.str()
 
 
 def test_a_gpu_worker_waits_for_the_precompile_once(tmp_path):

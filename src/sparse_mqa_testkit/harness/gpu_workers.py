@@ -1,10 +1,12 @@
 """pytest-xdist on GPU runners: a worker per visible GPU, each pinned to its own before CUDA starts, and CPU
 workers beside them for the tests that need no GPU.
 
-The controller counts the GPUs it can see (``visible_gpus``) and, for ``-n auto``, starts one worker per GPU plus
-``cpu_workers`` more (the CPU count when there are no GPUs). Each worker sets ``CUDA_VISIBLE_DEVICES`` in its
-``pytest_configure``, before any test touches CUDA: gwN for N < GPUs is the GPU worker of the Nth visible GPU, the
-CPU workers share the GPUs round-robin (a test that uses CUDA only when it is there still finds it).
+The controller counts the GPUs it can see (``visible_gpus``) and, for ``-n auto``, starts one worker per GPU
+(``$SMQA_WORKERS_PER_GPU`` per GPU: ``gpu_slots``) plus ``cpu_workers`` more (the CPU count when there are no
+GPUs). Each worker sets ``CUDA_VISIBLE_DEVICES`` in its ``pytest_configure``, before any test touches CUDA: gwN for
+N < slots is a GPU worker of slot N's GPU, the CPU workers share the GPUs round-robin (a test that uses CUDA only
+when it is there still finds it). More than one worker per GPU lets two GPU groups (say two backends) run at once
+where the tests' host side (drawing, the oracle) leaves the GPU idle.
 
 Routing (``-n`` with the default ``--dist load``): each worker tags the tests a GPU worker must run with an
 ``xdist_group`` (``gpu_group``: a ``gpu``-marked test by its module, a suite test on a CUDA backend by the backend,
@@ -29,6 +31,7 @@ from .state import selected
 
 ENV = "CUDA_VISIBLE_DEVICES"
 CPU_WORKERS_ENV = "SMQA_CPU_WORKERS"
+PER_GPU_ENV = "SMQA_WORKERS_PER_GPU"
 WAIT_ENV = "SMQA_GPU_WAIT"
 WAIT_LIMIT_ENV = "SMQA_GPU_WAIT_LIMIT"  # seconds a GPU worker waits for $SMQA_GPU_WAIT (default 900)
 GROUP = "smqa-gpu"
@@ -65,6 +68,22 @@ def visible_gpus(env: Mapping[str, str] | None = None,
     return entries[:n]
 
 
+def _count(env: Mapping[str, str], name: str, least: int) -> int | None:
+    given = env.get(name, "").strip()
+    if not given:
+        return None
+    if not given.isdigit() or int(given) < least:
+        raise pytest.UsageError(f"{name} must be a count of workers ({least} or more), got {given!r}")
+    return int(given)
+
+
+def gpu_slots(gpus: list[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """The GPU of each GPU worker: ``gpus`` repeated ``$SMQA_WORKERS_PER_GPU`` times (default 1), so consecutive
+    workers land on different GPUs."""
+    per = _count(os.environ if env is None else env, PER_GPU_ENV, 1) or 1
+    return list(gpus) * per
+
+
 def worker_index(worker_id: str) -> int | None:
     """gw3 -> 3; None for the controller or a non-xdist run."""
     m = re.fullmatch(r"gw(\d+)", worker_id or "")
@@ -80,25 +99,24 @@ def gpu_for_worker(worker_id: str, gpus: list[str]) -> str | None:
 
 
 def cpu_workers(gpus: list[str], cpu_count: int | None = None, env: Mapping[str, str] | None = None) -> int:
-    """CPU workers beside the GPU ones: ``$SMQA_CPU_WORKERS``, else half the cores less one per GPU, at least one
-    (the other cores serve the GPU workers' host side and the compilers of a precompile running beside)."""
-    env = os.environ if env is None else env
-    given = env.get(CPU_WORKERS_ENV, "").strip()
-    if given:
-        if not given.isdigit():
-            raise pytest.UsageError(f"{CPU_WORKERS_ENV} must be a count of workers (0 or more), got {given!r}")
-        return int(given)
+    """CPU workers beside the GPU ones (``gpus``: one entry per GPU worker): ``$SMQA_CPU_WORKERS``, else half the
+    cores less one per GPU worker, at least one (the other cores serve the GPU workers' host side and the
+    compilers of a precompile running beside)."""
+    given = _count(os.environ if env is None else env, CPU_WORKERS_ENV, 0)
+    if given is not None:
+        return given
     return max(1, (cpu_count or os.cpu_count() or 2) // 2 - len(gpus))
 
 
 def auto_num_workers(gpus: list[str], cpu_count: int | None = None,
                      env: Mapping[str, str] | None = None) -> int | None:
-    """Workers for ``-n auto``: one per GPU plus ``cpu_workers``; None (xdist's CPU count) without GPUs."""
+    """Workers for ``-n auto``: one per GPU worker (``gpus``, as ``gpu_slots`` gives them) plus ``cpu_workers``;
+    None (xdist's CPU count) without GPUs."""
     return len(gpus) + cpu_workers(gpus, cpu_count, env) if gpus else None
 
 
 def is_gpu_worker(worker_id: str, gpus: list[str]) -> bool:
-    """gwN with N below the GPU count: the worker that owns GPU N."""
+    """gwN with N below the count of GPU workers (``gpus``, as ``gpu_slots`` gives them)."""
     i = worker_index(worker_id)
     return i is not None and i < len(gpus)
 
