@@ -7,6 +7,7 @@ integers and enum choices, and any failure replays from one line: ``Case(...).in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -190,3 +191,13 @@ class Case:
             return np.zeros(self.S)
         return np.linspace(-SPREAD_BITS, SPREAD_BITS, self.S)
 
+
+@functools.lru_cache(maxsize=4)
+def host_inputs(case: Case) -> dict:
+    """``case.inputs()``, read-only, kept for the last few cases: the arrays one case's check, its expected
+    results and its coverage share (generating them is the costly part at GPU sizes)."""
+    x = case.inputs()
+    for v in x.values():
+        if isinstance(v, np.ndarray):
+            v.setflags(write=False)
+    return x

@@ -16,7 +16,7 @@ import functools
 import numpy as np
 
 from .. import contract
-from .case import FAR_SINK, WIDE_TILE, Case
+from .case import FAR_SINK, WIDE_TILE, Case, host_inputs
 from .draws import tile_run
 from .strategies import case_events, topk_tile_edges
 
@@ -36,7 +36,7 @@ def effective_events(case: Case, tiles: dict | None = None) -> frozenset[str]:
     return _effective(case, key)
 
 
-@functools.lru_cache(maxsize=1024)  # each check of a run draws the same cases: compute each case's arrays once
+@functools.lru_cache(maxsize=1024)  # the explicit examples come back in every check
 def _effective(case: Case, tiles_key: tuple) -> frozenset[str]:
     named = case_events(case, dict(tiles_key))
     if case.large or not any(needs_effect(label) for label in named):
@@ -50,7 +50,7 @@ class _Rows:
     gradient."""
 
     def __init__(self, case: Case):
-        x = case.inputs()
+        x = host_inputs(case)  # the check's own arrays, already made
         self.case = case
         self.idx, self.tl = x["indices"], x["topk_length"]
         self.valid = contract.valid_mask(self.idx, case.Skv, self.tl)  # [B, S, L]

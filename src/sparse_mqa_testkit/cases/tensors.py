@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from ..convert import input_tensors, to_torch
+from .case import host_inputs
 from .draws import draw_indices
 
 
@@ -15,7 +16,7 @@ def case_tensors(case, device="cpu") -> dict:
     ``large`` case is drawn by torch on ``device`` instead (the same on every device of that kind)."""
     if case.large:
         return large_case_tensors(case, device)
-    return input_tensors(case.inputs(), device)
+    return input_tensors(host_inputs(case), device)
 
 
 ROWS_PER_DRAW = 1 << 24  # elements of one chunk of random keys or normals: temporaries stay small

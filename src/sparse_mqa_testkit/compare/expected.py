@@ -4,12 +4,13 @@ The float64 oracle is the truth (``exact``); float32 math rounded to each result
 bf16-output oracle whose error sets the tolerance (``rounded``); the error model's terms come with them. For a
 CPU backend the NumPy oracle computes them on the host (the root of trust); for a CUDA backend, and for every
 ``large`` case, the device oracle does, on the backend's device. Each is computed once, when first needed; a
-check builds one ``Expected`` per case and hands it to everything that needs it.
+check builds one ``Expected`` per case and hands it to everything that needs it, and ``Expected.for_backend``
+keeps the last two, so the several checks a test runs on one case (and guards' second case) share them.
 """
 
 from __future__ import annotations
 
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ import torch
 from .. import contract, oracle
 from ..backends.spec import BackendSpec
 from ..calls import Call
+from ..cases.case import host_inputs
 from ..cases.tensors import case_tensors
 from ..convert import input_tensors, to_torch
 from ..oracle import device as device_oracle
@@ -38,12 +40,14 @@ class Expected:
     def __init__(self, case, device: str = "cpu"):
         self.case, self.device = case, str(device)
         self.on_host = self.device == "cpu" and not case.large
-        self._host = case.inputs() if self.on_host else None
+        self._host = host_inputs(case) if self.on_host else None
         self.inputs = input_tensors(self._host, self.device) if self.on_host else case_tensors(case, self.device)
 
     @classmethod
     def for_backend(cls, backend, case) -> "Expected":
-        return cls(case, truth_device(BackendSpec.of(backend).device, case))
+        """The case's Expected where a backend's results are judged, one of the last two made (``forget()``
+        drops them: a production-sized case's hold tens of GiB)."""
+        return _kept(case, truth_device(BackendSpec.of(backend).device, case))
 
     def _oracle(self, dtype) -> dict:
         x = Call(self._host if self.on_host else self.inputs)
@@ -81,3 +85,13 @@ class Expected:
         t["out"] = self.exact["out"].to(dev).to(torch.bfloat16)
         t["lse"] = lse
         return Call(t)
+
+
+@lru_cache(maxsize=2)
+def _kept(case, device: str) -> Expected:
+    return Expected(case, device)
+
+
+def forget() -> None:
+    """Drop the Expected objects ``Expected.for_backend`` keeps (and the device memory they hold)."""
+    _kept.cache_clear()

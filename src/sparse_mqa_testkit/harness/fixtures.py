@@ -27,6 +27,7 @@ from ..cases.strategies import cases_for, draw_examples, drawing_for
 from ..checks.memory import fits
 from ..checks.registry import get_check
 from ..compare import Expected
+from ..compare.expected import forget as forget_expected
 from ..contract import inputs_of
 from . import hypothesis_compat, profiles
 from .options import as_typed
@@ -269,6 +270,7 @@ def smqa_scale_case(request, smqa_backend):
     spec = run_state(request.config).plan_of(smqa_backend).backend
     if not spec.is_cuda:
         pytest.skip(f"the scale tier runs production sizes on a CUDA backend; {spec.name!r} runs on {spec.device}")
+    forget_expected()  # the last case's expected results hold tens of GiB
     torch.cuda.empty_cache()
     reason = fits(case, spec.device)
     if reason:
