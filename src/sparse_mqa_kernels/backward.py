@@ -287,7 +287,7 @@ def _prep(q, kv, out, grad_out, lse, attn_sink, indices, tl, sm_scale, d_v):
     B, S, H, Dqk = q.shape
     kvf = kv[..., :d_v].float()
     vnorm = kvf.mul(kvf).sum(-1).sqrt()
-    named = bwd_plan.referenced_rows(indices, tl, kv.shape[1]) & torch.isfinite(vnorm)
+    named = contract.referenced_rows(indices, tl, kv.shape[1]) & torch.isfinite(vnorm)
     vmax = torch.where(named, vnorm, torch.zeros_like(vnorm)).amax().reshape(1)
     delta = torch.empty((B, S, H), dtype=torch.float32, device=q.device)
     rows = torch.empty((B, S), dtype=torch.float32, device=q.device)

@@ -32,7 +32,7 @@ def dkv_bound(q, kv, grad_out, sm_scale, d_v, mass, referenced) -> float:
 
     Per (query, head): sum_t P_t = m (``bwd_plan.slot_mass``, 1 without a sink) and sum_t |dS_t| <= 2 m |dO| Vmax,
     so a query adds at most m (sm_scale * DS_BOUND_FACTOR * |dO|_2 * Vmax * max|q| + max|dO|) to any element of
-    any row. Vmax is the largest finite ||kv[:Dv]|| over the ``referenced`` rows (``bwd_plan.referenced_rows``):
+    any row. Vmax is the largest finite ||kv[:Dv]|| over the ``referenced`` rows (``contract.referenced_rows``):
     what a row no slot names holds changes nothing; a non-finite row makes the result garbage anyway.
     """
     q, kv, go = _f32(q), _f32(kv), _f32(grad_out)
@@ -75,7 +75,7 @@ def model_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, t
     delta = (_f32(out) * gof).sum(-1, dtype=np.float32)  # [B, S, H]
     lse2 = contract.lse_to_base2(_f32(lse), None if sink is None else _f32(sink))
     mass = bwd_plan.slot_mass(_f32(lse), None if sink is None else _f32(sink))
-    referenced = bwd_plan.referenced_rows(idx, tl, Skv)
+    referenced = contract.referenced_rows(idx, tl, Skv)
     F = bwd_plan.fixed_point_exponent(dkv_bound(qf, kvf, gof, sm_scale, Dv, mass, referenced))
     to_fixed = np.float32(2.0**F)
     c_log2 = np.float32(sm_scale * contract.LOG2E)

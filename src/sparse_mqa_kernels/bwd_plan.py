@@ -166,7 +166,8 @@ class BwdPlan:
         - 8 per dkv element: the int64 accumulator, converted to float64 in place at the end; before it exists,
           the Vmax pass's float32 copy of V and its square (8 per V element, no more);
         - 12 per KV row: that pass's row norms and their finite-masked copy; 1 per KV row and 13 per top-k slot
-          for the rows some valid slot names (``referenced_rows``: the slot mask and an int64 copy of the indices);
+          for the rows some valid slot names (``contract.referenced_rows``: the slot mask and an int64 copy of
+          the indices);
         - per (query, head), fp32: Delta and the kernel LSE for the whole call, and with a sink its probabilities,
           a chunk's d_sink product and that reduction's scratch (2x): 6 rows; without a sink, the slot mass's
           temporaries: 5;
@@ -223,26 +224,6 @@ def slot_mass(lse, attn_sink):
         m = xp.ones_like(lse) if sink is None else 1.0 / (1.0 + xp.exp(sink - lse))
     m = xp.where(xp.isinf(lse), xp.zeros_like(m), m)
     return xp.where(xp.isnan(m), xp.ones_like(m), m)
-
-
-def referenced_rows(indices, topk_length, s_kv: int):
-    """[B, Skv] bool: the KV rows some valid slot names (the contract's rule), a NumPy array or a torch tensor like
-    ``indices``, without a host sync. The fixed point's bound takes its Vmax over these rows only: a row no slot
-    names must change no bit of the result, however large the garbage it holds."""
-    xp = contract._namespace(indices)
-    valid = contract.valid_mask(indices, s_kv, topk_length)
-    B = indices.shape[0]
-    if xp is np:
-        base = (np.arange(B, dtype=np.int64) * s_kv)[:, None, None]
-        flat = np.where(valid, np.asarray(indices, dtype=np.int64) + base, B * s_kv).reshape(-1)
-        mask = np.zeros(B * s_kv + 1, dtype=bool)
-        mask[flat] = True
-    else:  # 9 bytes per slot beside valid_mask's own: one int64 copy of the indices, edited in place
-        flat = indices.to(xp.int64)
-        flat.add_((xp.arange(B, dtype=xp.int64, device=indices.device) * s_kv).view(B, 1, 1))
-        flat.masked_fill_(~valid, B * s_kv)
-        mask = xp.zeros(B * s_kv + 1, dtype=xp.bool, device=indices.device).scatter_(0, flat.view(-1), True)
-    return mask[:-1].reshape(B, s_kv)
 
 
 def fixed_point_exponent(bound: float) -> int:

@@ -343,6 +343,27 @@ def valid_mask(indices, s_kv: int, topk_length=None):
     return mask
 
 
+def referenced_rows(indices, topk_length, s_kv: int):
+    """[B, Skv] bool: the KV rows some valid slot names (the invalid-index rule), a NumPy array or a torch tensor
+    like ``indices``, without a host sync. A row no slot names must change no bit of the results, however large
+    the garbage it holds (our backward's fixed point takes its Vmax over these rows; the guards check poisons the
+    others)."""
+    xp = _namespace(indices)
+    valid = valid_mask(indices, s_kv, topk_length)
+    B = indices.shape[0]
+    if xp is np:
+        base = (np.arange(B, dtype=np.int64) * s_kv)[:, None, None]
+        flat = np.where(valid, np.asarray(indices, dtype=np.int64) + base, B * s_kv).reshape(-1)
+        mask = np.zeros(B * s_kv + 1, dtype=bool)
+        mask[flat] = True
+    else:  # 9 bytes per slot beside valid_mask's own: one int64 copy of the indices, edited in place
+        flat = indices.to(xp.int64)
+        flat.add_((xp.arange(B, dtype=xp.int64, device=indices.device) * s_kv).view(B, 1, 1))
+        flat.masked_fill_(~valid, B * s_kv)
+        mask = xp.zeros(B * s_kv + 1, dtype=xp.bool, device=indices.device).scatter_(0, flat.view(-1), True)
+    return mask[:-1].reshape(B, s_kv)
+
+
 def invalid_values(s_kv: int) -> dict[str, tuple[int, ...]]:
     """Representative invalid indices, by kind, that a kernel must never read through (the cases draw these).
 

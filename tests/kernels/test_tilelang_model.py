@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from sparse_mqa_kernels import bwd_plan  # noqa: E402
 from sparse_mqa_kernels.backends import TileLangModelBackend  # noqa: E402
-from sparse_mqa_testkit import oracle  # noqa: E402
+from sparse_mqa_testkit import contract, oracle  # noqa: E402
 from sparse_mqa_testkit.backends.registry import get_backend  # noqa: E402
 from sparse_mqa_testkit.cases import Case  # noqa: E402
 from sparse_mqa_testkit.cases.strategies import cases  # noqa: E402
@@ -106,7 +106,7 @@ def test_finite_garbage_in_unreferenced_kv_rows_changes_no_bit(garbage):
                 magnitude="peaky", seed=3)
     x, t = _inputs(case)
     ref = _run(t, case)
-    unused = ~bwd_plan.referenced_rows(t["indices"].numpy(), None, case.Skv)
+    unused = ~contract.referenced_rows(t["indices"].numpy(), None, case.Skv)
     assert unused.any()
     for value in (garbage, float("nan")):
         t["kv"][torch.from_numpy(unused)] = value

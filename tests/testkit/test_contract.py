@@ -171,3 +171,18 @@ def test_the_suite_hands_neg_inf_to_a_backward_for_empty_rows():
     lse = Expected.for_backend(ReferenceBackend(), case).call()["lse"]
     assert bool(lse.isneginf().any()) and not bool(lse.isposinf().any())
     assert "empty_lse='neg_inf'" in case.repro() and "empty_lse=neg_inf" in case.describe()
+
+
+def test_referenced_rows_follow_the_contract_in_numpy_and_torch():
+    import torch
+
+    idx = np.array([[[0, 3, 3, -1], [5, 2, 9, 1]], [[4, 4, 0, 2], [-7, 1, 2, 3]]], dtype=np.int32)
+    tl = np.array([[4, 2], [0, 3]], dtype=np.int32)
+    want = np.zeros((2, 6), bool)
+    valid = contract.valid_mask(idx, 6, tl)
+    for b, i, t in zip(*np.nonzero(valid)):
+        want[b, idx[b, i, t]] = True
+    assert want.tolist() == [[True, False, True, True, False, True], [False, True, True, False, False, False]]
+    assert np.array_equal(contract.referenced_rows(idx, tl, 6), want)
+    got = contract.referenced_rows(torch.from_numpy(idx), torch.from_numpy(tl), 6)
+    assert got.dtype == torch.bool and np.array_equal(got.numpy(), want)

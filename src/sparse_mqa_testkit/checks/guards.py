@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from .. import contract
 from ..backends.spec import BackendSpec
 from ..compare import Expected, compare_outputs
@@ -25,13 +23,8 @@ from .result import exception_summary, result
 def unreferenced_rows(expected: Expected):
     """Boolean [B, Skv] torch mask of KV rows that no valid slot of the case references, on the device its
     expected results live on."""
-    case, x = expected.case, expected.inputs
-    idx = x["indices"]
-    valid = contract.valid_mask(idx, case.Skv, x["topk_length"])
-    batch = torch.arange(case.B, device=idx.device)[:, None, None] * case.Skv
-    used = torch.zeros(case.B * case.Skv, dtype=torch.bool, device=idx.device)
-    used[(batch + idx.long())[valid]] = True
-    return ~used.reshape(case.B, case.Skv)
+    x = expected.inputs
+    return ~contract.referenced_rows(x["indices"], x["topk_length"], expected.case.Skv)
 
 
 def other_case(case):
