@@ -16,6 +16,7 @@ from ..backends.spec import BackendSpec
 from ..compare import Expected, bitwise_equal, compare_outputs, difference
 from ..compare.bitwise import snapshot
 from ..compare.model import K_DEFAULT
+from .judge import bitwise_entry, keep_worst
 from .result import exception_summary, result
 
 POISON_BYTES = 256 << 20  # per block; a poisoning round fills at most 4x this
@@ -181,14 +182,11 @@ def check_determinism(backend, case, *, repeats: int = 4, hostile: bool = True, 
                     text += f"; relative L2 drift {_rel_l2(v, b0):.3e}"
                 problems.append(f"{name}: call {i} ({mode}) {text} (backend claims determinism)")
             if claims:
-                per_tensor[name] = {"error": drift.get(name, 0.0), "allowed": 0.0, "bitwise_equal": equal,
-                                    "ratio": 0.0 if equal else math.inf}
+                per_tensor[name] = bitwise_entry(equal, error=drift.get(name, 0.0))
         if not claims:  # every run must pass the tolerance model
             for i, outs in enumerate([base] + [r for _, r in runs], start=1):
                 pt, probs, w = compare_outputs(outs, exp, k=k, device=spec.device)
-                for n, e in pt.items():
-                    if e.get("ratio", 0.0) >= per_tensor.get(n, {}).get("ratio", -1.0):
-                        per_tensor[n] = e
+                keep_worst(per_tensor, pt)
                 worst = max(worst, w)
                 problems += [f"run {i}: {p}" for p in probs]
     notes["drift"] = drift  # max relative L2 between call 1 and any later call, per tensor

@@ -9,6 +9,18 @@ from ..backends.spec import BackendSpec
 from ..compare import Expected, bitwise_equal, compare_outputs, difference
 
 
+def bitwise_entry(equal: bool, error: float = 0.0) -> dict:
+    """A tensor's entry in ``per_tensor`` for a bitwise comparison: nothing allowed, so equal or failed."""
+    return {"error": error, "allowed": 0.0, "bitwise_equal": equal, "ratio": 0.0 if equal else math.inf}
+
+
+def keep_worst(per_tensor: dict, entries: dict) -> None:
+    """Each tensor's entry of ``entries`` into ``per_tensor`` where its ratio is at least the one there."""
+    for name, e in entries.items():
+        if e.get("ratio", 0.0) >= per_tensor.get(name, {}).get("ratio", -1.0):
+            per_tensor[name] = e
+
+
 def same(label: str, got: dict, want: dict, spec: BackendSpec, expected: Expected, k: float, *,
          want_label: str = "clean run") -> tuple[list[str], dict, float]:
     """(problems, per_tensor, worst ratio) for results ``got``: bitwise against ``want`` (named ``want_label``) for
@@ -18,8 +30,7 @@ def same(label: str, got: dict, want: dict, spec: BackendSpec, expected: Expecte
         probs, pt = [], {}
         for name, r in want.items():
             eq = bitwise_equal(got.get(name), r)
-            pt[name] = {"error": 0.0 if eq else math.inf, "allowed": 0.0, "bitwise_equal": eq,
-                        "ratio": 0.0 if eq else math.inf}
+            pt[name] = bitwise_entry(eq, error=0.0 if eq else math.inf)
             if not eq:
                 probs.append(f"{name}: {label}: {difference(got.get(name), r, want_label=want_label)}")
         return probs, pt, math.inf if probs else 0.0

@@ -20,6 +20,7 @@ from ..compare.bitwise import snapshot
 from ..compare.model import K_DEFAULT
 from .determinism import poison_allocator, poison_outputs
 from .execution import device_of, not_here, output_bytes
+from .judge import bitwise_entry, keep_worst
 from .result import exception_summary, result
 
 
@@ -54,12 +55,10 @@ def repeated(spec: BackendSpec, exp: Expected, which: str, repeats: int, k: floa
             continue
         pt, probs, w = compare_outputs(snapshot(outs), exp, k=k, device=spec.device)
         problems += [f"{which} call {i} of {repeats}: {p}" for p in probs]
-        for n, e in pt.items():
-            if e.get("ratio", 0.0) >= per_tensor.get(n, {}).get("ratio", -1.0):
-                per_tensor[n] = e
+        keep_worst(per_tensor, pt)
         worst = max(worst, w)
     if spec.deterministic:
-        per_tensor = {n: {"error": 0.0, "allowed": 0.0, "bitwise_equal": True, "ratio": 0.0} for n in base}
+        per_tensor = {n: bitwise_entry(True) for n in base}
     return problems, per_tensor, worst, repeats
 
 
