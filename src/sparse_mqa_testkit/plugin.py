@@ -34,6 +34,7 @@ from .harness.fixtures import (  # noqa: F401
     SUITE_FIXTURES,
     n_cases,
     no_gpu,
+    not_applicable,
     recorded,
     recorder,
     say,
@@ -229,16 +230,10 @@ def _chosen(item, params, state, scale_on: bool, profile: str) -> bool:
 
 def _skip_if_not_applicable(item, state, params) -> None:
     """A skip marker (with the reason) on a check that does not apply to the test's backend."""
-    from .cases.strategies import outside_dims
-    from .checks.registry import get_check
-
     spec = state.specs.get(params.get("smqa_backend"))
     if spec is None:
         return
-    if item.get_closest_marker("smqa_outside_domain") is not None and not outside_dims(spec):
-        reason = f"backend {spec.name!r} declares no (Dqk, Dv) restriction: nothing outside its domain to refuse"
-    else:
-        reason = get_check(params["smqa_check"]).applies_to(spec)
+    reason = not_applicable(spec, params["smqa_check"], item.get_closest_marker("smqa_outside_domain") is not None)
     if reason:
         item.add_marker(pytest.mark.skip(reason=reason))
 
@@ -246,10 +241,11 @@ def _skip_if_not_applicable(item, state, params) -> None:
 def pytest_collection_finish(session):
     # the compile pool is warmed up only for a run with tests that draw from it (not the scale tier alone);
     # here, after every plugin's deselection (-k included)
-    if any(uses_suite(i) for i in session.items):
-        run_state(session.config).collected = [i.nodeid for i in session.items if uses_suite(i)]
-        run_state(session.config).pool_used = any(
-            uses_suite(i) and i.get_closest_marker("smqa_scale") is None for i in session.items)
+    suite = [i for i in session.items if uses_suite(i)]
+    if suite:
+        state = run_state(session.config)
+        state.collected = [i.nodeid for i in suite]
+        state.pool_used = any(i.get_closest_marker("smqa_scale") is None for i in suite)
 
 
 def _argnames(marker) -> list[str]:

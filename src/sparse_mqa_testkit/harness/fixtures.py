@@ -23,7 +23,7 @@ from ..backends.spec import BackendSpec
 from ..calls import Call
 from ..cases import Case
 from ..cases.planning import warm_up
-from ..cases.strategies import cases_for, draw_examples, drawing_for
+from ..cases.strategies import cases_for, draw_examples, drawing_for, outside_dims
 from ..checks.memory import fits
 from ..checks.registry import get_check
 from ..compare import Expected
@@ -55,6 +55,14 @@ def say(config):
             sys.stderr.flush()
 
     return write
+
+
+def not_applicable(spec: BackendSpec, check: str, outside: bool = False) -> str | None:
+    """Why ``check`` (run on cases outside the backend's domain with ``outside``) does not apply to the backend,
+    or None when it does: what the skip marker of its test says."""
+    if outside and not outside_dims(spec):
+        return f"backend {spec.name!r} declares no (Dqk, Dv) restriction: nothing outside its domain to refuse"
+    return get_check(check).applies_to(spec)
 
 
 def n_cases(node) -> int:
@@ -282,6 +290,7 @@ def smqa_scale_case(request, smqa_backend):
 def smqa_oracle():
     """The NumPy oracle on a case: ``smqa_oracle.forward(case)``, ``smqa_oracle.backward(case)`` (float64)."""
     return Oracle()
+
 
 SUITE_FIXTURES = ("smqa_backend", "smqa_case", "smqa_checks", "smqa_check", "smqa_scale_case")
 FUZZ_ARG = "smqa_target"  # the fuzz entry's one direct parameter (harness/fuzzing.py)

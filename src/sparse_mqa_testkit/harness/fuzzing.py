@@ -29,10 +29,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ..cases.planning import Plan, warm_up
-from ..cases.strategies import outside_dims
 from ..checks.registry import CHECKS, get_check
 from . import gpu_workers, hypothesis_compat, profiles
-from .fixtures import FUZZ_ARG, NO_GPU, no_gpu, recorder, warm
+from .fixtures import FUZZ_ARG, NO_GPU, no_gpu, not_applicable, recorder, warm
 from .recording import Recorder, run_check
 from .state import run_state, selected
 
@@ -173,9 +172,7 @@ def _not_applicable(config, state, name: str, check: str, outside: bool) -> str 
     # be unusable in them
     if spec.device != "cpu" and not config.getoption("smqa_require_gpu") and not gpu_workers.cuda_device_count():
         return NO_GPU.format(what=f"backend {name!r} (device {spec.device})")
-    if outside and not outside_dims(spec):
-        return f"backend {spec.name!r} declares no (Dqk, Dv) restriction: nothing outside its domain to refuse"
-    return get_check(check).applies_to(spec)
+    return not_applicable(spec, check, outside)
 
 
 def target_of(item) -> FuzzTarget | None:
