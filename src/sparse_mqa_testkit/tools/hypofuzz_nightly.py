@@ -32,8 +32,7 @@ from pathlib import Path
 
 from ..harness import gpu_workers, profiles
 from ..harness.fuzzing import RECORD_ENV
-from ..harness.recording import merge_coverage
-from .nightly import append_ledger, nightly_database, write_reproducer
+from .nightly import append_ledger, merge_rows, prepare, report_failures, suite_failure
 from .runner import SUITE, run_suite
 
 # HypoFuzz releases up to this one -> the first Hypothesis they break with (25.4.8 builds a BuildContext without
@@ -149,9 +148,7 @@ def run_hypofuzz_nightly(backends, *, budget: float, out=None, database=None, le
     if problem:
         print(f"[nightly] {problem}", file=sys.stderr, flush=True)
         return 2
-    out = Path(out or "nightly-out").resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    database = nightly_database(database or os.environ.get(profiles.DATABASE_ENV), out)
+    out, database = prepare(out, database)
     args = fuzz_args(backends, profile=profile, database=database, extra=extra)
     try:
         port = dashboard_port()
@@ -177,13 +174,10 @@ def run_hypofuzz_nightly(backends, *, budget: float, out=None, database=None, le
         why = f"pytest exit status {rc}" if rc != 0 else "; ".join(
             f"hypothesis fuzz ({n}) ended after {searched:.0f} s with status {c}: see {out / f'hypofuzz-{n}.log'}"
             for n, c in early)
-        failed = [{"check": "suite", "backend": ",".join(backends), "nodeid": "-", "failure": None, "outcome": why}]
-    for row in failed:
-        print(f"[nightly] FAILURE {row['check']} on {row['backend']}: reproducer {write_reproducer(out, row)}",
-              flush=True)
+        failed = [suite_failure(backends, why)]
+    report_failures(out, failed)
     classes, examples = searched_classes(out / RECORD_DIR)
-    for r in rows:
-        merge_coverage(classes.setdefault(r["backend"], {}).setdefault(r["check"], {}), r.get("coverage") or {})
+    merge_rows(classes, rows)
     ledger = Path(ledger or out / "ledger.json")
     elapsed = time.monotonic() - start
     append_ledger(ledger, classes, engine="hypofuzz", backends=backends, profile=profile, budget=budget,
@@ -233,5 +227,5 @@ def searched_classes(record: Path) -> tuple[dict, int]:
         except (OSError, ValueError):
             continue  # a process stopped while writing: its previous record is lost too, not the run
         cases += rec.get("cases", 0)
-        merge_coverage(classes.setdefault(rec["backend"], {}).setdefault(rec["check"], {}), rec.get("coverage") or {})
+        merge_rows(classes, [rec])
     return classes, cases

@@ -30,9 +30,7 @@ MAX_ROUND = 5000
 
 def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None, profile="nightly",
                 extra=()) -> int:
-    out = Path(out or "nightly-out").resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    database = nightly_database(database or os.environ.get(profiles.DATABASE_ENV), out)
+    out, database = prepare(out, database)
     ledger = Path(ledger or out / "ledger.json")
     start = time.monotonic()
     deadline = start + budget
@@ -55,7 +53,7 @@ def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None
         rows = data.get("rows", [])
         cases = sum(r["cases"] for r in rows)
         examples += cases
-        _merge(classes, rows)
+        merge_rows(classes, rows)
         failed_rows = [r for r in rows if r["outcome"] in ("failed", "error")]
         print(f"[nightly] round {rounds}: {n} examples/test, {cases} cases in {last_round:.0f} s; total "
               f"{examples} cases, {len(failed_rows)} failures, {max(0.0, deadline - time.monotonic()):.0f} s left",
@@ -67,15 +65,12 @@ def run_nightly(backends, *, budget: float, out=None, database=None, ledger=None
             break
         if rc != 0:
             if not failed_rows:  # pytest itself failed (usage error, crash): report it as a failure
-                failed_rows = [{"check": "suite", "backend": ",".join(backends), "nodeid": "-",
-                                "failure": None, "outcome": f"pytest exit status {rc}"}]
+                failed_rows = [suite_failure(backends, f"pytest exit status {rc}")]
             break
         per_example = last_round / max(1, n)
         n = int(max(FIRST_ROUND, min(MAX_ROUND, 0.8 * (deadline - time.monotonic()) / per_example)))
     elapsed = time.monotonic() - start
-    for row in failed_rows:
-        path = write_reproducer(out, row)
-        print(f"[nightly] FAILURE {row['check']} on {row['backend']}: reproducer {path}", flush=True)
+    report_failures(out, failed_rows)
     append_ledger(ledger, classes, backends=backends, profile=profile, budget=budget, elapsed=elapsed,
                   rounds=rounds, examples=examples, failures=len(failed_rows))
     verdict = "FAIL" if failed_rows else "INTERRUPTED" if stopped else "PASS"
@@ -93,9 +88,30 @@ def nightly_database(spec, out: Path) -> str:
     return ",".join(dirs + urls)
 
 
-def _merge(classes: dict, rows: list[dict]) -> None:
+def prepare(out, database) -> tuple[Path, str]:
+    """The output folder (made) and the example database of a nightly run, either engine."""
+    out = Path(out or "nightly-out").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    return out, nightly_database(database or os.environ.get(profiles.DATABASE_ENV), out)
+
+
+def merge_rows(classes: dict, rows: list[dict]) -> None:
+    """Each row's coverage (a table row, or a record with backend, check and coverage) into classes: backend ->
+    check -> boundary class."""
     for r in rows:
         merge_coverage(classes.setdefault(r["backend"], {}).setdefault(r["check"], {}), r.get("coverage") or {})
+
+
+def suite_failure(backends, why: str) -> dict:
+    """A failed row for the run as a whole (pytest or the fuzzer failed without a failing test)."""
+    return {"check": "suite", "backend": ",".join(backends), "nodeid": "-", "failure": None, "outcome": why}
+
+
+def report_failures(out: Path, rows: list[dict]) -> None:
+    """A reproducer for each failed row, and a line naming it."""
+    for row in rows:
+        print(f"[nightly] FAILURE {row['check']} on {row['backend']}: reproducer {write_reproducer(out, row)}",
+              flush=True)
 
 
 def write_reproducer(out: Path, row: dict) -> Path:
