@@ -82,12 +82,12 @@ def run(backend_name: str, cases, checks, *, timeout: float, out=sys.stdout) -> 
                         failed, start = failed + 1, i + 1
                     break
                 tail.append(line)
-                deadline = time.monotonic() + timeout
-                if line.startswith(MARK + "start "):
-                    current = int(line.split()[2])
+                if line.startswith(MARK + "start "):  # the clock is per case: other output does not reset it
+                    current, deadline = int(line.split()[2]), time.monotonic() + timeout
                 elif line.startswith(MARK + "done "):
                     _, _, i, verdicts = line.split(" ", 3)
                     current, following = None, int(i) + 1
+                    deadline = time.monotonic() + timeout
                     for v in json.loads(verdicts):
                         failed += not v["passed"]
                         print(f"isolate {backend_name}: {'PASS' if v['passed'] else 'FAIL'} {v['check']} case {i} "
