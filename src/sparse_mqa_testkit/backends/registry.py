@@ -100,7 +100,8 @@ def default_backend_name() -> str:
     if torch.cuda.is_available():
         for name, ep in sorted(_entry_points().items()):
             try:
-                if BackendSpec.of(ep.load()).default_for == "cuda":
+                # read on what the entry point names (a class, often): a spec is made of a loaded backend
+                if getattr(ep.load(), "default_for", None) == "cuda":
                     return name
             except Exception:  # a backend that cannot load here is no default; naming it reports why
                 continue
