@@ -64,7 +64,7 @@ def requirements(backend) -> dict[str, list[dict]]:
     for dqk, dv in backend_dims(spec):
         req[f"dims {dqk}/{dv}"] = [{"Dqk": dqk, "Dv": dv}]
     for size, key in TILE_OF.items():
-        for t, heads in _head_ranges(tiles, key) if size != "H" else [(tiles.get(key) or UNDECLARED_TILE, {})]:
+        for t, heads in _head_ranges(tiles, key):
             if t > 2:  # below / on / above are distinct classes only for tiles > 2
                 for where, n in (("below", t - 1), ("on", t), ("above", t + 1)):
                     label = tile_label(size, where, tiles, key, heads.get("H", BASE["H"]))

@@ -148,10 +148,14 @@ class Case:
             return np.resize(rng.permutation(grid), B * S).reshape(B, S)
         return None
 
+    def topk_tiles(self) -> tuple[int, ...]:
+        """The top-k tile the case targets, or the common sizes when it names none."""
+        return (self.topk_tile,) if self.topk_tile else COMMON_TILES
+
     def edge_lengths(self) -> tuple[int, ...]:
         """The lengths the ``edges`` mode gives rows: -3, -1, 0, 1 and t - 1, t, t + 1 for the top-k tile (the common
         sizes without one) and 512, each only where L leaves a slot past it (v <= L + 1)."""
-        tiles = ((self.topk_tile,) if self.topk_tile else COMMON_TILES) + (WIDE_TILE,)
+        tiles = self.topk_tiles() + (WIDE_TILE,)
         grid = {-3, -1, 0, 1} | {t + d for t in tiles for d in (-1, 0, 1)}
         return tuple(sorted(v for v in grid if v <= self.L + 1))
 

@@ -95,8 +95,7 @@ def tile_label(name: str, where: str, tiles: dict, key: str, H: int) -> str:
 
 def topk_tile_edges(case: Case) -> tuple[int, ...]:
     """The lengths of ``case.edge_lengths()`` one below, on or above a top-k tile (not the -3..1 and 511-513)."""
-    tiles = (case.topk_tile,) if case.topk_tile else COMMON_TILES
-    return tuple(v for v in case.edge_lengths() if any(abs(v - t) <= 1 for t in tiles) and v > 1)
+    return tuple(v for v in case.edge_lengths() if any(abs(v - t) <= 1 for t in case.topk_tiles()) and v > 1)
 
 
 def case_events(case: Case, tiles: dict | None = None) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 
+from ..cases.compile_keys import DEFAULT_BUDGET
 from . import profiles
 
 BACKEND_ENV = "SMQA_BACKEND"
@@ -41,7 +42,8 @@ def add_options(parser) -> None:
                      "sparse_mqa_testkit.checks.CHECKS)")
     g.addoption("--smqa-compile-budget", type=int, default=None, metavar="N",
                 help="a backend that declares compile_keys compiles at most N kernel keys in the run (default "
-                     "$SMQA_COMPILE_BUDGET, else 16 / 16 / 32 for dev / ci / nightly)")
+                     "$SMQA_COMPILE_BUDGET, else " + ", ".join(f"{n} for {p}" for p, n in DEFAULT_BUDGET.items())
+                     + ")")
     g.addoption("--smqa-json", default=None, metavar="PATH",
                 help="write the conformance table (per test: cases, worst ratio, coverage, failure) as JSON, "
                      "rewritten as results arrive; a run ended by SIGINT or SIGTERM writes what finished, marked "

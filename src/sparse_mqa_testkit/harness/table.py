@@ -103,11 +103,14 @@ def _worst_text(row: dict) -> str:
     return f"{w['tensor']}{where} {w['error']:.3g}{unit} / {w['allowed']:.3g} ({w['ratio']:.2f})"
 
 
+def _verdict(outcome: str) -> str:
+    return {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR"}.get(outcome, outcome.upper())
+
+
 def verdict_line(row: dict) -> str:
     """One finished suite test as a line: verdict, test, cases, the worst measure, seconds; then a failure's replay
     line."""
-    verdict = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR"}.get(row["outcome"],
-                                                                                          row["outcome"].upper())
+    verdict = _verdict(row["outcome"])
     name = re.sub(r"@[^\]]*$", "", row["nodeid"].rpartition("::")[2])  # without an xdist group
     tail = f" ({row['reason']})" if row.get("reason") else f", {_worst_text(row)}"
     line = f"[smqa] {verdict} {name}: {row['cases']} cases{tail}, {row.get('duration', 0.0):.1f} s"
@@ -119,11 +122,10 @@ def verdict_line(row: dict) -> str:
 def format_table(rows: list[dict], timing: dict | None = None) -> str:
     """check | backend | cases | worst error vs allowed | verdict, then per backend the compile and check time,
     the boundary classes covered and those its domain cannot reach."""
-    verdict = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR"}
     table = [("check", "backend", "cases", "worst: tensor [row] error / allowed (ratio)", "verdict")]
     rows = merged(rows)
     for r in sorted(rows, key=lambda r: (r["backend"], r["check"])):
-        v = verdict.get(r["outcome"], r["outcome"].upper())
+        v = _verdict(r["outcome"])
         if r["outcome"] == "skipped" and r.get("reason"):
             v += f" ({r['reason']})"
         table.append((r["check"], r["backend"], str(r["cases"]), _worst_text(r), v))

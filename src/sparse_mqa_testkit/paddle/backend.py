@@ -31,7 +31,8 @@ def _require_paddle(call: Call) -> None:
 
 
 class _Delegating:
-    """name / device / deterministic / tiles / dims / supports of the wrapped backend."""
+    """name / device / deterministic / tiles / dims / supports of the wrapped backend; each call goes through the
+    subclass's ``_run``."""
 
     def __init__(self, backend, label: str):
         self.inner = resolve_backend(backend)
@@ -48,9 +49,11 @@ class _Delegating:
     def supports(self, case):
         return self.spec.supports(case)
 
-    @property
-    def has_forward(self) -> bool:
-        return self.spec.has_forward
+    def backward(self, *args, **kwargs):
+        return self._run("backward", Call.bind("backward", *args, **kwargs))
+
+    def forward(self, *args, **kwargs):
+        return self._run("forward", Call.bind("forward", *args, **kwargs))
 
     def __repr__(self) -> str:
         return f"<backend {self.name} on {self.device}{' deterministic' if self.deterministic else ''}>"
@@ -69,12 +72,6 @@ class PaddleBackend(_Delegating):
         with stream_scope(call["q"]):
             res = call.map_tensors(lambda n, x: to_torch(x, n)).invoke(self.inner, direction)
             return tuple(to_paddle(r, n) for n, r in zip(results_of(direction), res))
-
-    def backward(self, *args, **kwargs):
-        return self._run("backward", Call.bind("backward", *args, **kwargs))
-
-    def forward(self, *args, **kwargs):
-        return self._run("forward", Call.bind("forward", *args, **kwargs))
 
 
 def _torch_to_paddle(name, x):
@@ -96,12 +93,6 @@ class TorchFacing(_Delegating):
         crossed = Call({n: _torch_to_paddle(n, x) for n, x in call.args.items()})
         res = crossed.invoke(self.inner, direction)
         return tuple(to_torch(r, n) for n, r in zip(results_of(direction), res))
-
-    def backward(self, *args, **kwargs):
-        return self._run("backward", Call.bind("backward", *args, **kwargs))
-
-    def forward(self, *args, **kwargs):
-        return self._run("forward", Call.bind("forward", *args, **kwargs))
 
 
 def through_paddle(backend="reference") -> TorchFacing:
