@@ -66,6 +66,8 @@ def pytest_configure(config):
         gpu_workers.pin(winput.get("workerid", ""), list(winput["smqa_gpus"]))
         if winput.get("smqa_route"):
             config.option.loadgroup = True  # xdist then tags each test's node id with its group
+    elif winput is None and config.getoption("dist", "no") != "no":
+        os.environ.update(gpu_workers.worker_threads(len(config.getoption("tx") or [])))  # before they start
     for line in ("gpu: needs a CUDA GPU (skipped with the reason when CUDA is absent)",
                  "slow: long-running",
                  "smqa_cases(n): number of drawn cases the smqa_case fixture is parametrized with",

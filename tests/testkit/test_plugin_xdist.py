@@ -198,6 +198,35 @@ def test_xdist_auto_without_gpus_uses_the_cpu_count(pytester, monkeypatch):
     assert plugin.pytest_xdist_auto_num_workers(cfg) is None
 
 
+@pytest.fixture(autouse=True)
+def _thread_vars_restored(monkeypatch):
+    """An in-process xdist run sets the workers' thread counts in this process's environment: undone after."""
+    for name in gpu_workers.THREAD_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_the_cores_are_shared_out_among_the_workers_threads():
+    assert gpu_workers.worker_threads(8, cpu_count=16, env={}) == dict.fromkeys(gpu_workers.THREAD_VARS, "2")
+    assert gpu_workers.worker_threads(3, cpu_count=2, env={}) == dict.fromkeys(gpu_workers.THREAD_VARS, "1")
+    assert gpu_workers.worker_threads(2, cpu_count=16, env={"OMP_NUM_THREADS": "5"}) == {
+        "OPENBLAS_NUM_THREADS": "8", "MKL_NUM_THREADS": "8"}  # the user's own setting stays
+    assert gpu_workers.worker_threads(1, cpu_count=16, env={}) == {}
+
+
+def test_xdist_workers_start_with_their_share_of_the_cores(pytester, monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    pytester.makepyfile(test_threads='''
+        import os
+        import torch
+
+        def test_threads():
+            assert os.environ["OMP_NUM_THREADS"] == os.environ["OPENBLAS_NUM_THREADS"] == "1"
+            assert torch.get_num_threads() == 1  # torch's own default: the core count
+    ''')
+    r = pytester.runpytest_inprocess("-n", "2", "-p", "no:cacheprovider", "-p", "sparse_mqa_testkit.plugin")
+    r.assert_outcomes(passed=1)
+
+
 @pytest.mark.gpu
 def test_a_worker_computes_on_its_own_gpu_only(request, worker_id):
     """On a GPU runner under `pytest -n auto`: this worker sees exactly the GPU it was pinned to, and keeps it

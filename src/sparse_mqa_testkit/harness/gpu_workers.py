@@ -14,6 +14,9 @@ so each backend warms up once) and the controller's ``GpuFirstScheduling`` hands
 and every other test to the CPU workers; a GPU worker takes CPU tests once no GPU group is left. With
 ``$SMQA_GPU_WAIT`` naming a file, a GPU worker starts its first test once the file exists (ci/gpu: when the kernel
 precompile running beside the CPU tests is done).
+
+Threads: every worker's NumPy BLAS and torch would start a thread per core, so N workers on N cores run N^2
+threads; the controller starts the workers with the cores shared out among them (``worker_threads``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,19 @@ WAIT_ENV = "SMQA_GPU_WAIT"
 WAIT_LIMIT_ENV = "SMQA_GPU_WAIT_LIMIT"  # seconds a GPU worker waits for $SMQA_GPU_WAIT (default 900)
 GROUP = "smqa-gpu"
 _STARTED = pytest.StashKey[bool]()
+
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def worker_threads(workers: int, cpu_count: int | None = None, env: Mapping[str, str] | None = None) -> dict:
+    """The thread counts ``workers`` xdist workers start with: the cores shared out, at least one each, for each
+    of ``THREAD_VARS`` the user has not set (empty with one worker or fewer)."""
+    env = os.environ if env is None else env
+    if workers <= 1:
+        return {}
+    each = str(max(1, (cpu_count or os.cpu_count() or 1) // workers))
+    return {name: each for name in THREAD_VARS if not env.get(name)}
 
 
 def cuda_device_count() -> int:
