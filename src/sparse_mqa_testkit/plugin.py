@@ -67,7 +67,7 @@ def pytest_configure(config):
         if winput.get("smqa_route"):
             config.option.loadgroup = True  # xdist then tags each test's node id with its group
     elif winput is None and config.getoption("dist", "no") != "no":
-        os.environ.update(gpu_workers.worker_threads(len(config.getoption("tx") or [])))  # before they start
+        config.option.tx = gpu_workers.with_threads(config.getoption("tx") or [])  # before the workers start
     for line in ("gpu: needs a CUDA GPU (skipped with the reason when CUDA is absent)",
                  "slow: long-running",
                  "smqa_cases(n): number of drawn cases the smqa_case fixture is parametrized with",

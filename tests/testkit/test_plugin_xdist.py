@@ -8,6 +8,24 @@ from sparse_mqa_testkit.harness import gpu_workers
 from sparse_mqa_testkit.harness.gpu_workers import auto_num_workers, gpu_for_worker, pin, visible_gpus, worker_index
 
 
+@pytest.fixture(autouse=True)
+def _worker_env(monkeypatch):
+    """ci/gpu's worker knobs (it exports two workers per GPU and a precompile marker to wait for) are not these
+    tests' setup; nor are the thread counts of the run these tests run in."""
+    for name in (gpu_workers.PER_GPU_ENV, gpu_workers.CPU_WORKERS_ENV, gpu_workers.WAIT_ENV,
+                 *gpu_workers.THREAD_VARS):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _routed_outcomes() -> dict:
+    """ROUTED's outcomes: its 4 gpu-marked tests and the CUDA backend's suite test pass where CUDA is (a GPU
+    runner), else they skip."""
+    import torch
+
+    on_gpu = 4 + 1
+    return {"passed": 10 + 1 + on_gpu} if torch.cuda.is_available() else {"passed": 10 + 1, "skipped": on_gpu}
+
+
 def test_visible_gpus_follow_the_device_count_and_cuda_visible_devices():
     assert visible_gpus({}, lambda: 0) == []
     assert visible_gpus({}, lambda: 2) == ["0", "1"]
@@ -128,7 +146,7 @@ def test_gpu_tests_run_on_the_gpu_worker_and_cpu_tests_on_cpu_workers(pytester, 
     pytester.syspathinsert()
     r = pytester.runpytest_inprocess("-n", "auto", "-v", "-p", "no:cacheprovider", "-p", "sparse_mqa_testkit.plugin",
                                      "--smqa-backend", "reference,gpukernels:OnGpu")
-    r.assert_outcomes(passed=10 + 1, skipped=4 + 1)  # no CUDA here: the GPU tests skip, on the GPU worker
+    r.assert_outcomes(**_routed_outcomes())
     ran = {m.group(2): m.group(1) for m in
            re.finditer(r"\[(gw\d)\] \[ *\d+%\] \w+ +test_routed\.py::(\S+)", r.stdout.str())}
     assert len(ran) == 4 + 10 + 2, r.stdout.str()
@@ -153,7 +171,7 @@ def test_two_workers_on_one_gpu_run_its_groups_side_by_side(pytester, monkeypatc
     pytester.syspathinsert()
     r = pytester.runpytest_inprocess("-n", "auto", "-v", "-p", "no:cacheprovider", "-p", "sparse_mqa_testkit.plugin",
                                      "--smqa-backend", "reference,gpukernels:OnGpu")
-    r.assert_outcomes(passed=10 + 1, skipped=4 + 1)
+    r.assert_outcomes(**_routed_outcomes())
     r.stdout.fnmatch_lines(["*3 workers*", "gw0: CUDA_VISIBLE_DEVICES=0 *", "gw1: CUDA_VISIBLE_DEVICES=0 *"])
     ran = {m.group(2): m.group(1) for m in
            re.finditer(r"\[(gw\d)\] \[ *\d+%\] \w+ +test_routed\.py::(\S+)", r.stdout.str())}
@@ -198,19 +216,14 @@ def test_xdist_auto_without_gpus_uses_the_cpu_count(pytester, monkeypatch):
     assert plugin.pytest_xdist_auto_num_workers(cfg) is None
 
 
-@pytest.fixture(autouse=True)
-def _thread_vars_restored(monkeypatch):
-    """An in-process xdist run sets the workers' thread counts in this process's environment: undone after."""
-    for name in gpu_workers.THREAD_VARS:
-        monkeypatch.delenv(name, raising=False)
-
-
 def test_the_cores_are_shared_out_among_the_workers_threads():
     assert gpu_workers.worker_threads(8, cpu_count=16, env={}) == dict.fromkeys(gpu_workers.THREAD_VARS, "2")
     assert gpu_workers.worker_threads(3, cpu_count=2, env={}) == dict.fromkeys(gpu_workers.THREAD_VARS, "1")
     assert gpu_workers.worker_threads(2, cpu_count=16, env={"OMP_NUM_THREADS": "5"}) == {
         "OPENBLAS_NUM_THREADS": "8", "MKL_NUM_THREADS": "8"}  # the user's own setting stays
     assert gpu_workers.worker_threads(1, cpu_count=16, env={}) == {}
+    assert gpu_workers.with_threads(["popen", "popen", "ssh=host"], cpu_count=6, env={"MKL_NUM_THREADS": "1"}) == [
+        "popen//env:OMP_NUM_THREADS=2//env:OPENBLAS_NUM_THREADS=2"] * 2 + ["ssh=host"]
 
 
 def test_xdist_workers_start_with_their_share_of_the_cores(pytester, monkeypatch):

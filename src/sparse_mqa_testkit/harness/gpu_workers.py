@@ -16,7 +16,7 @@ and every other test to the CPU workers; a GPU worker takes CPU tests once no GP
 precompile running beside the CPU tests is done).
 
 Threads: every worker's NumPy BLAS and torch would start a thread per core, so N workers on N cores run N^2
-threads; the controller starts the workers with the cores shared out among them (``worker_threads``).
+threads; the controller starts the workers with the cores shared out among them (``with_threads``).
 """
 
 from __future__ import annotations
@@ -52,6 +52,13 @@ def worker_threads(workers: int, cpu_count: int | None = None, env: Mapping[str,
         return {}
     each = str(max(1, (cpu_count or os.cpu_count() or 1) // workers))
     return {name: each for name in THREAD_VARS if not env.get(name)}
+
+
+def with_threads(tx: list[str], cpu_count: int | None = None, env: Mapping[str, str] | None = None) -> list[str]:
+    """xdist's worker specs (``--tx``) with ``worker_threads`` set in each local worker's environment (execnet sets
+    it before the worker imports anything)."""
+    extra = "".join(f"//env:{k}={v}" for k, v in worker_threads(len(tx), cpu_count, env).items())
+    return [spec + extra if spec.split("//")[0] == "popen" else spec for spec in tx]
 
 
 def cuda_device_count() -> int:
