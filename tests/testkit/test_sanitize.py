@@ -124,3 +124,66 @@ def test_each_case_is_shown_as_it_starts_and_a_case_past_its_limit_is_named_with
     assert re.search(r"cases [12] to 2 not finished within the 15 s limit of memcheck \(SMQA_SANITIZE_TOOL_LIMIT\): "
                      "NOT sanitized", out.getvalue()), out.getvalue()
     assert "kns=" not in (tmp_path / "options.log").read_text().splitlines()[-1]  # memcheck checks every kernel
+
+
+def test_a_budget_is_shared_by_the_tool_runs_and_what_a_fast_run_leaves_goes_to_the_next():
+    now = [0.0]
+    budget = sanitize.Budget(540, runs=8, clock=lambda: now[0])
+    assert budget.share() == 540 / 8
+    now[0] = 14.0  # the first run took 14 s of its 67.5
+    assert budget.share() == (540 - 14) / 7
+    budget.skip(2)
+    now[0] = 540.0 + 1
+    assert budget.share() == 0.0  # spent: the run stops at once and names its cases as not sanitized
+    assert sanitize.Budget(None, runs=4).share() is None
+
+
+def test_the_cli_shares_one_budget_across_backends_and_names_it_when_it_stops_a_tool(monkeypatch):
+    from sparse_mqa_testkit.tools import cli
+
+    class Gpu:
+        device = "cuda"
+
+    limits = []
+
+    def go(self, cmd, env, case_limit, tool_limit, limit_name="SMQA_SANITIZE_TOOL_LIMIT"):
+        limits.append((self.label, round(tool_limit, 3), limit_name))
+        return "", 0, [f"cases 1 to 1 not finished within the {tool_limit:.0f} s limit of {self.tool} ({limit_name})"]
+
+    monkeypatch.setenv("SMQA_SANITIZE_BUDGET", "100")
+    monkeypatch.setattr(sanitize, "find_tool", lambda: "/bin/true")
+    monkeypatch.setattr(sanitize, "get_backend", lambda name: Gpu())
+    monkeypatch.setattr(sanitize._ToolRun, "go", go)
+    monkeypatch.setattr(cli, "load", lambda name: Gpu())
+    monkeypatch.setattr(cli, "_cases", lambda backend, profile, replay: [Case(seed=1)])
+    assert cli.sanitize(["a", "b"], "memcheck,synccheck", "dev") == sanitize.NOT_RUN
+    # 4 runs share 100 s; each (here instant) leaves its time to the runs after it
+    budget = "its share of SMQA_SANITIZE_BUDGET"
+    assert [label for label, _, _ in limits] == [f"sanitize {b} {t}" for b in "ab" for t in ("memcheck", "synccheck")]
+    assert [(round(limit), name) for _, limit, name in limits] == [(25, budget), (33, budget), (50, budget),
+                                                                   (100, budget)]
+    limits.clear()
+    monkeypatch.setenv("SMQA_SANITIZE_TOOL_LIMIT", "30")  # the tighter of the two applies
+    cli.sanitize(["a", "b"], "memcheck,synccheck", "dev")
+    assert [(round(limit), name) for _, limit, name in limits] == [(25, budget)] + [
+        (30, "SMQA_SANITIZE_TOOL_LIMIT")] * 3
+
+
+def test_a_backend_that_cannot_run_leaves_the_others_theirs_and_a_finding_outranks_it(monkeypatch, capsys):
+    from sparse_mqa_testkit.tools import cli
+
+    class Gpu:
+        device = "cuda"
+
+    class Cpu:
+        device = "cpu"
+
+    ran = []
+    monkeypatch.setattr(cli, "load", lambda name: {"missing": None, "oncpu": Cpu()}.get(name, Gpu()))
+    monkeypatch.setattr(cli, "_cases", lambda backend, profile, replay: [Case(seed=1)])
+    monkeypatch.setattr(sanitize, "run", lambda name, cases, tools, budget: ran.append(name) or 1)
+    assert cli.sanitize(["found", "missing", "oncpu"], "memcheck", "dev") == 1  # the finding, not "not run"
+    assert cli.sanitize(["missing", "found"], "memcheck", "dev") == 1
+    assert ran == ["found", "found"]
+    assert "sanitize oncpu: runs on the CPU" in capsys.readouterr().out
+    assert cli.sanitize(["missing", "oncpu"], "memcheck", "dev") == sanitize.NOT_RUN

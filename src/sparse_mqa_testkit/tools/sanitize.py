@@ -12,6 +12,8 @@ The child prints a line as each case starts, and the parent shows it at once, so
 runs. A case that runs past the per-case limit (``$SMQA_SANITIZE_CASE_LIMIT`` seconds, default 300) is stopped,
 named with the tool, and the child starts again at the next case; past the per-tool limit
 (``$SMQA_SANITIZE_TOOL_LIMIT``, default none) the cases left are named as not sanitized. Either is not a pass.
+``$SMQA_SANITIZE_BUDGET`` bounds a whole run (every backend, every tool): each tool run may take an equal share of
+what is left when it starts, so the time a fast backend leaves goes to a slow one after it.
 
 racecheck records every shared-memory access and synchronisation of every instrumented kernel and analyses them on
 the host, so its cost grows with the blocks launched and the kernels instrumented (TMA and bulk copies, wgmma
@@ -124,6 +126,7 @@ def replay_command(backend_name: str, tool: str, case) -> str:
 
 CASE_LIMIT_ENV = "SMQA_SANITIZE_CASE_LIMIT"
 TOOL_LIMIT_ENV = "SMQA_SANITIZE_TOOL_LIMIT"
+BUDGET_ENV = "SMQA_SANITIZE_BUDGET"
 RACECHECK_DEADLOCK_MS = 30_000  # below the per-case limits, so a hang is reported as one
 
 
@@ -150,8 +153,33 @@ def _limit(env_name: str, default: float | None) -> float | None:
     return float(raw) if raw else default
 
 
+class Budget:
+    """A run's seconds (``$SMQA_SANITIZE_BUDGET``; None: unbounded) shared by its ``runs`` tool runs: each may take
+    an equal share of what is left when it starts."""
+
+    def __init__(self, seconds: float | None, runs: int, clock=time.monotonic):
+        self.seconds, self.runs, self.clock, self.t0 = seconds, runs, clock, clock()
+
+    @classmethod
+    def from_env(cls, runs: int) -> Budget:
+        return cls(_limit(BUDGET_ENV, None), runs)
+
+    def skip(self, runs: int) -> None:
+        """``runs`` of the runs counted will not take their share (a backend with nothing to sanitize)."""
+        self.runs = max(self.runs - runs, 0)
+
+    def share(self) -> float | None:
+        """The next run's limit in seconds (None when unbounded); that run is then no longer counted."""
+        if self.seconds is None:
+            return None
+        left = max(0.0, self.seconds - (self.clock() - self.t0))
+        share = left / max(self.runs, 1)
+        self.skip(1)
+        return share
+
+
 def run(backend_name: str, cases, tools=TOOLS, *, out=sys.stdout, case_limit: float | None = None,
-        tool_limit: float | None = None) -> int:
+        tool_limit: float | None = None, budget: Budget | None = None) -> int:
     """Every case under every tool; 0 when clean, 1 on a finding, ``NOT_RUN`` when a tool could not run or a case
     was stopped at a limit."""
     tool_path = find_tool()
@@ -173,7 +201,11 @@ def run(backend_name: str, cases, tools=TOOLS, *, out=sys.stdout, case_limit: fl
                                                             backend_name, str(spec)]
             t0 = time.monotonic()
             run_ = _ToolRun(backend_name, tool, todo, out)
-            output, status, stopped = run_.go(cmd, env, case_limit, tool_limit)
+            limit, limit_name = tool_limit, TOOL_LIMIT_ENV
+            share = budget.share() if budget is not None else None
+            if share is not None and (limit is None or share < limit):
+                limit, limit_name = share, f"its share of {BUDGET_ENV}"
+            output, status, stopped = run_.go(cmd, env, case_limit, limit, limit_name)
             seconds = time.monotonic() - t0
             findings, broken = parse(output, tool)
             ran = len(run_.started)
@@ -207,7 +239,7 @@ class _ToolRun:
         self.label = f"sanitize {backend_name} {tool}"
         self.started: list[int] = []
 
-    def go(self, cmd, env, case_limit, tool_limit):
+    def go(self, cmd, env, case_limit, tool_limit, limit_name: str = TOOL_LIMIT_ENV):
         """(the output of every child, the last child's exit status, what was stopped and why)."""
         chunks, stopped, start, status = [], [], 0, 0
         deadline = None if tool_limit is None else time.monotonic() + tool_limit
@@ -238,7 +270,7 @@ class _ToolRun:
                 elif deadline is not None and now > deadline:
                     first = current if current is not None else start
                     why = (f"cases {first + 1} to {len(self.cases)} not finished within the {tool_limit:.0f} s limit "
-                           f"of {self.tool} ({TOOL_LIMIT_ENV})")
+                           f"of {self.tool} ({limit_name})")
                 if why:
                     proc.kill()
                     break
