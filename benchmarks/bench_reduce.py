@@ -11,8 +11,10 @@ row count is the anchor's S * L = 8,388,608 rows of 576 (38.7 GB) into Skv = 819
 reduction floor of a kernel that sends the anchor's bytes this way. A config ``RxB/K`` is R rows x B buffers
 with K thread blocks per SM (shared memory is padded so that no more fit); ``w256`` sends 256-column rows;
 ``f32`` sends float32 rows with ``.add.f32`` instead (what a float32-atomic backward such as cuDNN's moves: half
-the bytes, in an order-dependent sum). Before timing, each config's sums are checked exactly against torch's
-``index_add_`` on a smaller row count (float32 rows carry small integers, so their sums are exact too).
+the bytes, in an order-dependent sum); ``i32`` sends int32 rows with ``.add.u32`` (4 bytes a term, exact: what an
+int32 fixed point with a scale per KV row would send). Before timing, each config's sums are checked exactly
+against torch's ``index_add_`` on a smaller row count (float32 and int32 rows carry small integers, so their sums
+are exact too).
 """
 
 from __future__ import annotations
@@ -24,23 +26,27 @@ import sys
 THREADS = 128
 ACC_ROWS = 8192
 SMEM_PER_SM = 228 * 1024  # an SM's shared memory; each block also takes 1 KB of it, and 227 KB at most
-CONFIGS = "8x1/1,8x2/1,8x4/1,16x2/1,8x2/2,8x2/3,8x1/6,8x1/1w256,8x2/3w256,8x2/1f32,16x2/1f32,8x2/3f32"
-ESIZE = {"int64": 8, "float32": 4}  # bytes per element
+CONFIGS = ("8x1/1,8x2/1,8x4/1,16x2/1,8x2/2,8x2/3,8x1/6,8x1/1w256,8x2/3w256,8x2/1f32,16x2/1f32,8x2/3f32,"
+           "8x2/1i32,16x2/1i32,8x2/3i32,16x4/1i32")
+ESIZE = {"int64": 8, "float32": 4, "int32": 4}  # bytes per element
+SUFFIX = {"f32": "float32", "i32": "int32"}
 # the backward's prelude has the .add.u64 flavour only
-_PRELUDE_F32 = r"""
-__device__ __forceinline__ void sparse_mqa_bulk_add_f32(void const* smem, void* gmem, int bytes) {
+_PRELUDE_4B = "".join(r"""
+__device__ __forceinline__ void sparse_mqa_bulk_add_%s(void const* smem, void* gmem, int bytes) {
   unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.%s [%%0], [%%1], %%2;"
                :: "l"(gmem), "r"(s), "r"(bytes) : "memory");
 }
-"""
+""" % (t, t) for t in ("f32", "u32"))
+SEND = {"int64": "sparse_mqa_bulk_add_u64", "float32": "sparse_mqa_bulk_add_f32", "int32": "sparse_mqa_bulk_add_u32"}
 
 
 def parse(spec: str) -> tuple[int, int, int, int, str]:
-    """'8x2/3w256' -> (rows per round, buffers, blocks per SM, row width, element type)."""
+    """'8x2/3w256' -> (rows per round, buffers, blocks per SM, row width, element type); f32 / i32 at the end:
+    float32 / int32 rows."""
     width, dtype = 576, "int64"
-    if spec.endswith("f32"):
-        spec, dtype = spec[:-3], "float32"
+    if spec[-3:] in SUFFIX:
+        spec, dtype = spec[:-3], SUFFIX[spec[-3:]]
     if spec.endswith("w256"):
         spec, width = spec[:-4], 256
     rb, per_sm = spec.split("/")
@@ -59,13 +65,13 @@ def build(rows: int, bufs: int, per_sm: int, width: int, dtype: str, n_sms: int)
     stage_bytes = bufs * rows * wp * esize
     # pad shared memory so that at most per_sm blocks fit on one SM
     pad = max(2, (min(SMEM_PER_SM // per_sm, 227 * 1024) - 1536 - stage_bytes) // esize)
-    send = "sparse_mqa_bulk_add_u64" if dtype == "int64" else "sparse_mqa_bulk_add_f32"
+    send = SEND[dtype]
     grid = n_sms * per_sm
     n_items = T.dynamic("n_items")
 
     @T.prim_func
     def bulk_reduce(Rows: T.Tensor([n_items], T.int32), Acc: T.Tensor([ACC_ROWS, width], dtype)):
-        with T.Kernel(grid, threads=THREADS, prelude=PRELUDE + _PRELUDE_F32) as bx:
+        with T.Kernel(grid, threads=THREADS, prelude=PRELUDE + _PRELUDE_4B) as bx:
             # the tail past the ring only holds shared memory (a separate buffer would be merged away)
             stage = T.alloc_shared([bufs * rows * wp + pad], dtype)
             tx = T.get_thread_binding()
@@ -79,6 +85,8 @@ def build(rows: int, bufs: int, per_sm: int, width: int, dtype: str, n_sms: int)
                 for r, d in T.Parallel(rows, width):
                     if dtype == "int64":
                         stage[base + r * wp + d] = T.cast(g * rows + r, T.int64) * 1024 + d
+                    elif dtype == "int32":
+                        stage[base + r * wp + d] = T.cast((g * rows + r) % 1024 * 1024 + d, T.int32)
                     else:
                         stage[base + r * wp + d] = T.cast((g * rows + r) % 64 + d % 7, T.float32)
                 T.fence_proxy_async()
@@ -95,15 +103,16 @@ def build(rows: int, bufs: int, per_sm: int, width: int, dtype: str, n_sms: int)
 
 
 def expected(rows_idx, width, dtype):
-    """What the kernel adds, summed per accumulator row: item * 1024 + column (int64), or the small integers
-    item % 64 + column % 7 (float32, exact in any order)."""
+    """What the kernel adds, summed per accumulator row: item * 1024 + column (int64), (item % 1024) * 1024 +
+    column (int32; the check's sums stay far below 2**31), or the small integers item % 64 + column % 7 (float32,
+    exact in any order)."""
     import torch
 
     items = torch.arange(rows_idx.numel(), device=rows_idx.device, dtype=torch.int64)[:, None]
     cols = torch.arange(width, device=rows_idx.device, dtype=torch.int64)[None, :]
-    vals = items * 1024 + cols if dtype == "int64" else items % 64 + cols % 7
+    vals = {"int64": items * 1024 + cols, "int32": items % 1024 * 1024 + cols, "float32": items % 64 + cols % 7}[dtype]
     out = torch.zeros(ACC_ROWS, width, dtype=torch.int64, device=rows_idx.device).index_add_(0, rows_idx.long(), vals)
-    return out if dtype == "int64" else out.float()
+    return out.to(getattr(torch, dtype))
 
 
 def main(argv=None) -> int:

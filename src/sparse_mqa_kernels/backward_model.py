@@ -12,6 +12,8 @@ the kernel to fp32 rounding, not to the bit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from sparse_mqa_testkit import contract
@@ -60,41 +62,65 @@ def from_fixed(acc, F):
     return np.asarray(acc).astype(np.float64) * 2.0**-F
 
 
-def model_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None,
-                   max_query_chunk: int = MODEL_QUERY_CHUNK):
-    """The kernel's algorithm in NumPy. Returns (dq bf16-valued fp32, dkv bf16-valued fp32, d_sink fp32|None)."""
-    q, kv, out, go, lse, sink, idx, tl = map(to_numpy, (q, kv, out, grad_out, lse, attn_sink, indices,
-                                                        topk_length))
-    B, S, H, Dqk = q.shape
-    Skv, L, Dv = kv.shape[1], idx.shape[2], out.shape[-1]
-    plan = bwd_plan.make_plan(B, S, Skv, H, L, Dqk, Dv, max_query_chunk=max_query_chunk)
-    hg, ng = plan.head_group, plan.n_groups
-    qf, kvf, gof = _f32(q), _f32(kv), _f32(go)
+@dataclass
+class Prepared:
+    """What the model's preprocessing gives (the kernel: ``bwd_prep`` and torch, float32 too)."""
 
-    # preprocessing (the kernel: ``bwd_prep`` and torch, float32 too): Delta, kernel LSE, fixed-point exponent
-    delta = (_f32(out) * gof).sum(-1, dtype=np.float32)  # [B, S, H]
-    lse2 = contract.lse_to_base2(_f32(lse), None if sink is None else _f32(sink))
-    mass = bwd_plan.slot_mass(_f32(lse), None if sink is None else _f32(sink))
-    referenced = contract.referenced_rows(idx, tl, Skv)
-    F = bwd_plan.fixed_point_exponent(dkv_bound(qf, kvf, gof, sm_scale, Dv, mass, referenced))
-    to_fixed = np.float32(2.0**F)
+    plan: bwd_plan.BwdPlan
+    delta: np.ndarray  # [B, S, H]
+    mass: np.ndarray  # [B, S, H]: the slot mass, 1 without a sink
+    F: int  # the fixed-point exponent from ``dkv_bound``
+
+
+@dataclass
+class Block:
+    """One top-k block of one query chunk and head group: its valid slots' dkv contributions, flattened, and what a
+    per-slot bound needs. rows: (batch, kv row) per valid slot; contrib [n, Dqk] fp32; p [n, hg] fp32 (P before its
+    bf16 rounding); q [n, hg, Dqk] and grad_out [n, hg, Dv] of the slot's query (padding heads zero); delta [n, hg]."""
+
+    rows: tuple
+    contrib: np.ndarray
+    p: np.ndarray
+    q: np.ndarray
+    grad_out: np.ndarray
+    delta: np.ndarray
+
+
+def prepare(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=None,
+            max_query_chunk: int = MODEL_QUERY_CHUNK) -> Prepared:
+    """Delta, the slot mass and F, on NumPy arrays (``to_numpy``)."""
+    B, S, H, Dqk = q.shape
+    Skv, L, Dv = kv.shape[1], indices.shape[2], out.shape[-1]
+    plan = bwd_plan.make_plan(B, S, Skv, H, L, Dqk, Dv, max_query_chunk=max_query_chunk)
+    delta = (_f32(out) * _f32(grad_out)).sum(-1, dtype=np.float32)
+    sink = None if attn_sink is None else _f32(attn_sink)
+    mass = bwd_plan.slot_mass(_f32(lse), sink)
+    referenced = contract.referenced_rows(indices, topk_length, Skv)
+    F = bwd_plan.fixed_point_exponent(dkv_bound(q, kv, grad_out, sm_scale, Dv, mass, referenced))
+    return Prepared(plan, delta, mass, F)
+
+
+def blocks(q, kv, grad_out, lse, attn_sink, indices, sm_scale, topk_length, prep: Prepared, dq):
+    """The kernel's loop over query chunks, head groups and top-k blocks: fills ``dq`` [B, S, padded heads, Dqk]
+    and yields each block's ``Block`` of dkv contributions, in launch order."""
+    B, S, H, Dqk = q.shape
+    Skv, L, Dv = kv.shape[1], indices.shape[2], grad_out.shape[-1]
+    plan, hg = prep.plan, prep.plan.head_group
+    qf, kvf, gof, idx, tl = _f32(q), _f32(kv), _f32(grad_out), indices, topk_length
+    lse2 = contract.lse_to_base2(_f32(lse), None if attn_sink is None else _f32(attn_sink))
     c_log2 = np.float32(sm_scale * contract.LOG2E)
     scale = np.float32(sm_scale)
 
     # padded head axis: q = dO = Delta = 0 and lse = +inf beyond H
-    Hp = plan.padded_heads
-    pad = ((0, 0), (0, 0), (0, Hp - H))
+    pad = ((0, 0), (0, 0), (0, plan.padded_heads - H))
     qp = np.pad(qf, pad + ((0, 0),))
     gop = np.pad(gof, pad + ((0, 0),))
-    deltap = np.pad(delta, pad)
+    deltap = np.pad(prep.delta, pad)
     lse2p = np.pad(lse2, pad, constant_values=np.inf)
-
-    acc = np.zeros((B, Skv, Dqk), dtype=np.int64)
-    dq = np.zeros((B, S, Hp, Dqk), dtype=np.float32)
     bidx = np.arange(B)[:, None, None]
     for chunk in plan.chunks():
         s0, s1 = chunk.start, chunk.stop
-        for g in range(ng):
+        for g in range(plan.n_groups):
             hs = slice(g * hg, (g + 1) * hg)
             qg, dog = qp[:, s0:s1, hs], gop[:, s0:s1, hs]  # [B, C, hg, *]
             lg, dg = lse2p[:, s0:s1, hs, None], deltap[:, s0:s1, hs, None]
@@ -119,15 +145,30 @@ def model_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, t
                 dq_acc += np.matmul(dsb, kvb)
                 contrib = np.matmul(np.swapaxes(dsb, -1, -2), qg)  # [B, C, BI, Dqk]
                 contrib[..., :Dv] += np.matmul(np.swapaxes(pb, -1, -2), dog)
-                b_of = np.broadcast_to(bidx, valid.shape)
-                accumulate_fixed(acc, (b_of[valid], safe[valid]), contrib[valid], to_fixed)
+                b_of, c_of = np.broadcast_to(bidx, valid.shape), np.nonzero(valid)[1]
+                yield Block((b_of[valid], safe[valid]), contrib[valid], np.swapaxes(p, -1, -2)[valid],
+                            qg[b_of[valid], c_of], dog[b_of[valid], c_of], dg[..., 0][b_of[valid], c_of])
             dq[:, s0:s1, hs] = dq_acc
+
+
+def model_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None,
+                   max_query_chunk: int = MODEL_QUERY_CHUNK):
+    """The kernel's algorithm in NumPy. Returns (dq bf16-valued fp32, dkv bf16-valued fp32, d_sink fp32|None, F)."""
+    q, kv, out, go, lse, sink, idx, tl = map(to_numpy, (q, kv, out, grad_out, lse, attn_sink, indices,
+                                                        topk_length))
+    B, S, H, Dqk = q.shape
+    prep = prepare(q, kv, out, go, lse, sink, idx, sm_scale, tl, max_query_chunk)
+    to_fixed = np.float32(2.0**prep.F)
+    acc = np.zeros((B, kv.shape[1], Dqk), dtype=np.int64)
+    dq = np.zeros((B, S, prep.plan.padded_heads, Dqk), dtype=np.float32)
+    for blk in blocks(q, kv, go, lse, sink, idx, sm_scale, tl, prep, dq):
+        accumulate_fixed(acc, blk.rows, blk.contrib, to_fixed)
     dq = round_bf16(dq[:, :, :H]).astype(np.float32)
-    dkv = round_bf16(from_fixed(acc, F)).astype(np.float32)
+    dkv = round_bf16(from_fixed(acc, prep.F)).astype(np.float32)
     d_sink = None
     if sink is not None:
         ps = contract.sink_probability(_f32(lse), _f32(sink))
-        partials = np.stack([(ps[:, c.start:c.stop] * delta[:, c.start:c.stop]).sum((0, 1), dtype=np.float32)
-                             for c in plan.chunks()])
+        partials = np.stack([(ps[:, c.start:c.stop] * prep.delta[:, c.start:c.stop]).sum((0, 1), dtype=np.float32)
+                             for c in prep.plan.chunks()])
         d_sink = -partials.sum(0, dtype=np.float32)  # fixed order over chunks
-    return dq, dkv, d_sink, F
+    return dq, dkv, d_sink, prep.F

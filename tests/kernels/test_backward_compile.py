@@ -151,8 +151,9 @@ def test_prep_pass_compiles_without_atomics():
 
 def test_reduction_benchmark_compiles_and_pads_to_its_occupancy():
     """``benchmarks/bench_reduce.py`` (the int64 bulk-reduction floor behind issue 6's BENCHMARKS numbers):
-    its kernel compiles for sm_90a, sends rows only with its config's bulk reduction (.add.u64, or .add.f32 for
-    the float32 configs), and its shared memory admits exactly the blocks per SM the config names."""
+    its kernel compiles for sm_90a, sends rows only with its config's bulk reduction (.add.u64, .add.f32 for the
+    float32 configs, .add.u32 for the int32 ones), and its shared memory admits exactly the blocks per SM the config
+    names."""
     import importlib.util
     import pathlib
 
@@ -161,12 +162,13 @@ def test_reduction_benchmark_compiles_and_pads_to_its_occupancy():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.parse("16x2/3w256") == (16, 2, 3, 256, "int64") and mod.parse("8x1/2f32")[-1] == "float32"
-    for config in ("8x2/1", "8x2/3", "8x2/3f32"):
+    assert mod.parse("16x4/1i32") == (16, 4, 1, 576, "int32")
+    for config in ("8x2/1", "8x2/3", "8x2/3f32", "8x2/3i32"):
         kernel = mod.build(*mod.parse(config), 132)
         src = kernel.get_kernel_source()
         dtype = mod.parse(config)[-1]
         sends = set(re.findall(r"(sparse_mqa_bulk_add_\w+)\(\(", src))
-        assert sends == {"sparse_mqa_bulk_add_u64" if dtype == "int64" else "sparse_mqa_bulk_add_f32"}, sends
+        assert sends == {mod.SEND[dtype]}, sends
         assert "AtomicAdd" not in src
         # (TIR prints no dtype for float32, its default)
         typed = "" if dtype == "float32" else f', "{dtype}"'

@@ -1,0 +1,65 @@
+"""``benchmarks/study_fixed_point.py`` (lead 1 of the deterministic backward's speed work): its per-row bound is a
+bound, on the adversarial magnitudes, and the int32 scheme built on it is exact where it should be."""
+
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+from sparse_mqa_testkit.cases import Case
+
+SMALL = dict(B=2, S=12, Skv=24, H=17, L=20, Dqk=64, Dv=32, sink="finite")
+
+
+@pytest.fixture(scope="module")
+def study():
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "study_fixed_point.py"
+    spec = importlib.util.spec_from_file_location("study_fixed_point", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("modes", [dict(), dict(magnitude="peaky"), dict(magnitude="spread", pattern="local"),
+                                   dict(pattern="hot"), dict(sink="far"), dict(sink="huge"),
+                                   dict(sink="mixed", invalid="mixed", topk="random"), dict(duplicates=True)])
+def test_the_per_row_bound_bounds_every_column_of_the_row(study, modes):
+    _, _, rows, terms, bound = study.contributions(Case(**{**SMALL, **modes, "seed": 3}))
+    total = np.zeros(bound.shape + terms.shape[-1:])
+    np.add.at(total, rows, np.abs(terms.astype(np.float64)))
+    assert np.all(total.max(-1) <= bound.astype(np.float64) * (1 + 2**-20))
+    named = np.zeros(bound.shape, dtype=np.int64)
+    np.add.at(named, rows, 1)
+    assert np.all(bound[named == 0] == 0)  # a row no slot names gets no scale of its own
+
+
+def test_the_int32_scheme_stays_inside_int32_and_within_the_error_model(study):
+    r = study.schemes(Case(**{**SMALL, "pattern": "hot", "seed": 5}), np.random.default_rng(0))
+    assert 0 < r["int32 overflow"] <= 2 ** (study.HEADROOM - 31) * (1 + 2**-10)
+    for scheme in ("int64, F per call", "int32, F per row", "fp32 atomics"):
+        acc_error, ratio = r[scheme]
+        assert acc_error < 2**-9 and ratio < 1, (scheme, r)
+
+
+def test_the_bound_is_reached_when_do_lies_along_v_and_q_along_one_axis(study):
+    """Each part of the bound is needed: with dO along v, Delta of the opposite sign and q on one axis, the first
+    column of the contribution dS q + P dO equals the bound (so dropping a term, Delta's, P dO's or dP's, fails)."""
+    from sparse_mqa_kernels.backward_model import Block
+
+    dqk, dv, scale, p = 8, 4, 0.7, 0.375
+    v = np.zeros(dqk, dtype=np.float32)
+    v[0] = 3.0
+    kv = v[None, None, :]  # [B=1, Skv=1, Dqk]
+    q = np.zeros(dqk, dtype=np.float32)
+    q[0] = 1.5
+    grad_out = np.zeros(dv, dtype=np.float32)
+    grad_out[0] = 2.0  # along v[:Dv]
+    delta = -5.0  # dP = dO . v = 6: |dP - Delta| = |dO| |v| + |Delta|
+    blk = Block((np.array([0]), np.array([0])), None, np.array([[p]], np.float32), q[None, None], grad_out[None, None],
+                np.array([[delta]], np.float32))
+    ds = p * (float(grad_out @ v[:dv]) - delta) * scale
+    contrib = ds * q.astype(np.float64)
+    contrib[:dv] += p * grad_out
+    bound = study.row_bound(blk, kv, dv, scale)
+    assert bound.shape == (1,) and abs(contrib).max() == pytest.approx(float(bound[0]), rel=1e-6)
