@@ -1,7 +1,7 @@
 """Lead 1 of the deterministic backward's speed work, its numerics on CPU: int32 fixed point with a scale per KV row
 against today's int64 with one scale per call, and against float32 atomics.
 
-    python benchmarks/study_fixed_point.py [--cases unit,spread,hot,peaky,far,huge] [--seed 0]
+    python benchmarks/study_fixed_point.py [--cases unit,spread,hot,hot1k,peaky,far,huge,mixed] [--seed 0]
 
 The deterministic backward sends each dkv contribution rounded to an integer multiple of 2**-F and adds the
 integers, so the sum is exact and order-free. Today F is one number per call (``backward_model.dkv_bound``: a bound
@@ -11,14 +11,16 @@ the bytes: int32, with F_j per KV row from a bound B_j on that row's total |cont
 
     |contribution[d]| <= P (sm_scale (|dO|_2 |v_j|_2 + |Delta|) max|q| + max|dO|)   (per head, summed over heads),
 
-summed over the queries naming row j; F_j = HEADROOM - ceil(log2 B_j), so no partial sum reaches 2**31.
+summed over the queries naming row j; F_j = HEADROOM - ceil(log2 B_j), so no partial sum reaches 2**31. "dP exact"
+replaces |dO|_2 |v_j|_2 + |Delta| by |dO . v_j - Delta| (a second product in the prep pass, dO V^T): how many of the
+bits the bound's slack costs come back that way.
 
 Every scheme here sums the same float32 contributions (``backward_model.blocks``: the kernel's P and dS, rounded to
 bf16 as its tiles are); the exact float64 sum of those terms is what each scheme's accumulation error is measured
 against (``acc``: the worst row's relative L2 error, and its log2), and the result after the bf16 rounding is judged
-by the suite's error model against the float64 oracle (``ratio``, < 1 passes). ``int32 overflow`` is the largest
-sum of |integer terms| in a row over 2**31 (must stay below 1). ``fp32 atomics`` adds the same terms in float32 in
-a random order, as an atomic backward does.
+by the suite's error model against the float64 oracle (``ratio``, < 1 passes). ``int32 use`` is the largest sum
+of |integer terms| in a row over 2**31: it must stay below 1, and how far below is the bound's slack.
+``fp32 atomics`` adds the same terms in float32 in a random order, as an atomic backward does.
 """
 
 from __future__ import annotations
@@ -51,18 +53,28 @@ CASES = {
 NAMES = ("q", "kv", "out", "grad_out", "lse", "attn_sink", "indices", "sm_scale")
 
 
-def row_bound(blk: bm.Block, kv, d_v: int, sm_scale: float) -> np.ndarray:
-    """Per valid slot of a block, the bound on |each element| of its dkv contribution (float32, summed over heads)."""
-    vnorm = np.sqrt((kv[blk.rows][:, :d_v].astype(np.float32) ** 2).sum(-1, dtype=np.float32))  # [n]
-    gnorm = np.sqrt((blk.grad_out * blk.grad_out).sum(-1, dtype=np.float32))  # [n, hg]
+def row_bound(blk: bm.Block, kv, d_v: int, sm_scale: float, dp: str = "norms") -> np.ndarray:
+    """Per valid slot of a block, the bound on |each element| of its dkv contribution (float32, summed over heads).
+    dp="norms" bounds |dP| by |dO|_2 |v|_2 (a prep pass with one product, QK^T); "exact" uses dP = dO . v itself (a
+    second product in the prep pass, dO V^T)."""
+    v = kv[blk.rows][:, :d_v].astype(np.float32)  # [n, Dv]
+    if dp == "exact":
+        dS = np.abs(np.einsum("nhd,nd->nh", blk.grad_out, v).astype(np.float32) - blk.delta)
+    else:
+        vnorm = np.sqrt((v * v).sum(-1, dtype=np.float32))  # [n]
+        gnorm = np.sqrt((blk.grad_out * blk.grad_out).sum(-1, dtype=np.float32))  # [n, hg]
+        dS = gnorm * vnorm[:, None] + np.abs(blk.delta)
     qmax, gmax = np.abs(blk.q).max(-1), np.abs(blk.grad_out).max(-1)
-    per_head = blk.p * (np.float32(abs(sm_scale)) * (gnorm * vnorm[:, None] + np.abs(blk.delta)) * qmax + gmax)
+    per_head = blk.p * (np.float32(abs(sm_scale)) * dS * qmax + gmax)
     return per_head.sum(-1, dtype=np.float32)
+
+
+BOUNDS = ("norms", "exact")
 
 
 def contributions(case: Case):
     """The case's float32 dkv terms as the model's kernel loop makes them: (Expected, Prepared, rows, terms [n, Dqk],
-    per-row bound [B, Skv] float32)."""
+    {dp: per-row bound [B, Skv] float32} for each way of bounding dP)."""
     e = Expected(case)
     x = e.call()
     q, kv, out, go, lse, sink, idx, scale = [bm.to_numpy(x[n]) if n != "sm_scale" else float(x[n]) for n in NAMES]
@@ -74,47 +86,54 @@ def contributions(case: Case):
     blocks = list(bm.blocks(q, kv, go, lse, sink, idx, scale, tl, prep, dq))
     rows = tuple(np.concatenate([b.rows[i] for b in blocks]) for i in range(2))
     terms = np.concatenate([b.contrib for b in blocks])
-    bound = np.zeros((B, Skv), dtype=np.float32)
-    np.add.at(bound, rows, np.concatenate([row_bound(b, kv, Dv, scale) for b in blocks]))
-    return e, prep, rows, terms, bound
+    bounds = {}
+    for dp in BOUNDS:
+        bounds[dp] = np.zeros((B, Skv), dtype=np.float32)
+        np.add.at(bounds[dp], rows, np.concatenate([row_bound(b, kv, Dv, scale, dp) for b in blocks]))
+    return e, prep, rows, terms, bounds
 
 
-def schemes(case: Case, rng) -> dict:
-    e, prep, rows, terms, bound = contributions(case)
+def int32_rows(rows, terms, bound):
+    """Lead 1's sum: each term rounded to an int32 multiple of 2**-F_j of its row. Returns (the sums as float64,
+    the largest sum of |integer terms| in a row over 2**31, (min F_j, max F_j))."""
     B, Skv, Dqk = *bound.shape, terms.shape[-1]
-    exact = np.zeros((B, Skv, Dqk))
-    np.add.at(exact, rows, terms.astype(np.float64))
-
-    # today: int64 at one 2**-F per call
-    acc64 = np.zeros((B, Skv, Dqk), dtype=np.int64)
-    bm.accumulate_fixed(acc64, rows, terms, np.float32(2.0**prep.F))
-    got = {"int64, F per call": bm.from_fixed(acc64, prep.F)}
-
-    # lead 1: int32 at 2**-F_j per row
     with np.errstate(divide="ignore"):
         F_j = np.where(bound > 0, HEADROOM - np.ceil(np.log2(bound.astype(np.float64))), 0).astype(np.int64)
     ints = np.rint(np.ldexp(terms, F_j[rows][:, None].astype(np.int32))).astype(np.int64)
-    acc32, mag32 = np.zeros((B, Skv, Dqk), dtype=np.int64), np.zeros((B, Skv, Dqk), dtype=np.int64)
-    np.add.at(acc32, rows, ints)
-    np.add.at(mag32, rows, np.abs(ints))
-    got["int32, F per row"] = np.ldexp(acc32.astype(np.float64), -F_j[..., None])
+    acc, mag = np.zeros((B, Skv, Dqk), dtype=np.int64), np.zeros((B, Skv, Dqk), dtype=np.int64)
+    np.add.at(acc, rows, ints)
+    np.add.at(mag, rows, np.abs(ints))
+    used = F_j[bound > 0]
+    return np.ldexp(acc.astype(np.float64), -F_j[..., None]), float(mag.max()) / 2**31, (int(used.min()),
+                                                                                         int(used.max()))
 
-    # float32 atomics: the same terms in a random order
-    order = rng.permutation(len(terms))
+
+def schemes(case: Case, rng) -> dict:
+    """{scheme: (worst row's relative accumulation error, the error model's ratio after bf16, int32 use, F)} and
+    "terms per row" (the most terms one row sums)."""
+    e, prep, rows, terms, bounds = contributions(case)
+    B, Skv, Dqk = *bounds["norms"].shape, terms.shape[-1]
+    exact = np.zeros((B, Skv, Dqk))
+    np.add.at(exact, rows, terms.astype(np.float64))
+
+    acc64 = np.zeros((B, Skv, Dqk), dtype=np.int64)  # today: int64 at one 2**-F per call
+    bm.accumulate_fixed(acc64, rows, terms, np.float32(2.0**prep.F))
+    got = {"int64, F per call": (bm.from_fixed(acc64, prep.F), None, prep.F)}
+    for dp in BOUNDS:
+        got[f"int32, F per row, dP {dp}"] = int32_rows(rows, terms, bounds[dp])
+    order = rng.permutation(len(terms))  # float32 atomics: the same terms in a random order
     acc_f = np.zeros((B, Skv, Dqk), dtype=np.float32)
     np.add.at(acc_f, tuple(r[order] for r in rows), terms[order])
-    got["fp32 atomics"] = acc_f.astype(np.float64)
+    got["fp32 atomics"] = (acc_f.astype(np.float64), None, None)
 
-    named = np.bincount(rows[0] * Skv + rows[1], minlength=B * Skv)
-    res = {"terms per row (max)": int(named.max()), "int32 overflow": float(mag32.max()) / 2**31,
-           "F per call": prep.F, "F_j range": (int(F_j[bound > 0].min()), int(F_j[bound > 0].max()))}
+    res = {"terms per row": int(np.bincount(rows[0] * Skv + rows[1], minlength=B * Skv).max())}
     norm = np.linalg.norm(exact, axis=-1)
-    for name, v in got.items():
+    for name, (v, use, F) in got.items():
         rel = np.linalg.norm(v - exact, axis=-1)
         worst = float(np.max(np.where(norm > 0, rel / np.where(norm > 0, norm, 1), np.where(rel > 0, np.inf, 0))))
         dkv = torch.from_numpy(round_bf16(v).astype(np.float32))
         entry, _ = compare_tensor("dkv", dkv, e.exact["dkv"], e.rounded["dkv"], terms=e.terms.get("dkv"))
-        res[name] = (worst, entry["ratio"])
+        res[name] = (worst, entry["ratio"], use, F)
     return res
 
 
@@ -125,19 +144,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     rng = np.random.default_rng(a.seed)
     print(f"shape {SHAPE}; HEADROOM {HEADROOM}")
-    print(f"{'case':8s} {'terms/row':>9s} {'int32 use':>9s} {'F':>4s} {'F_j':>10s}  "
-          + "  ".join(f"{n + ': acc (log2), ratio':>38s}" for n in ("int64, F per call", "int32, F per row",
-                                                                    "fp32 atomics")))
+    print(f"{'case':8s} {'terms/row':>9s} {'scheme':30s} {'acc error':>10s} {'(log2)':>7s} {'ratio':>6s} "
+          f"{'int32 use':>9s}  F")
     for name in a.cases.split(","):
-        case = Case(**{**SHAPE, **CASES[name], "seed": a.seed})
-        r = schemes(case, rng)
-        cols = []
-        for n in ("int64, F per call", "int32, F per row", "fp32 atomics"):
-            err, ratio = r[n]
-            bits = f"{math.log2(err):6.1f}" if 0 < err < math.inf else f"{err:>6}"
-            cols.append(f"{err:10.2e} ({bits}), {ratio:6.3f}".rjust(38))
-        print(f"{name:8s} {r['terms per row (max)']:9d} {r['int32 overflow']:9.3f} {r['F per call']:4d} "
-              f"{str(r['F_j range']):>10s}  " + "  ".join(cols), flush=True)
+        r = schemes(Case(**{**SHAPE, **CASES[name], "seed": a.seed}), rng)
+        for scheme, (err, ratio, use, F) in ((k, v) for k, v in r.items() if k != "terms per row"):
+            bits = f"{math.log2(err):7.1f}" if 0 < err < math.inf else f"{err:>7}"
+            print(f"{name:8s} {r['terms per row']:9d} {scheme:30s} {err:10.2e} {bits} {ratio:6.3f} "
+                  f"{'' if use is None else f'{use:.4f}':>9s}  {'' if F is None else F}", flush=True)
     return 0
 
 
