@@ -35,7 +35,7 @@ import torch
 from sparse_mqa_kernels import backward_model as bm
 from sparse_mqa_testkit.cases import Case
 from sparse_mqa_testkit.compare import Expected, compare_tensor
-from sparse_mqa_testkit.oracle import round_bf16
+from sparse_mqa_testkit.oracle import round_bf16, to_numpy
 
 HEADROOM = 29  # B_j 2**F_j <= 2**29: two bits below int32's 2**31 for what the bound leaves out (P and dS rounded
 # to bf16, 2**-8 each; the bound's own float32 rounding) and the terms' rounding (n/2 units for n terms)
@@ -77,8 +77,8 @@ def contributions(case: Case):
     {dp: per-row bound [B, Skv] float32} for each way of bounding dP)."""
     e = Expected(case)
     x = e.call()
-    q, kv, out, go, lse, sink, idx, scale = [bm.to_numpy(x[n]) if n != "sm_scale" else float(x[n]) for n in NAMES]
-    tl = bm.to_numpy(x.get("topk_length"))
+    q, kv, out, go, lse, sink, idx, scale = [to_numpy(x[n]) if n != "sm_scale" else float(x[n]) for n in NAMES]
+    tl = to_numpy(x.get("topk_length"))
     B, S, H, Dqk = q.shape
     Skv, Dv = kv.shape[1], out.shape[-1]
     prep = bm.prepare(q, kv, out, go, lse, sink, idx, scale, tl)

@@ -74,16 +74,35 @@ class Prepared:
 
 @dataclass
 class Block:
-    """One top-k block of one query chunk and head group: its valid slots' dkv contributions, flattened, and what a
-    per-slot bound needs. rows: (batch, kv row) per valid slot; contrib [n, Dqk] fp32; p [n, hg] fp32 (P before its
-    bf16 rounding); q [n, hg, Dqk] and grad_out [n, hg, Dv] of the slot's query (padding heads zero); delta [n, hg]."""
+    """One top-k block of one query chunk and head group: its valid slots' dkv contributions, flattened. rows:
+    (batch, kv row) per valid slot; contrib [n, Dqk] fp32. What a per-slot bound needs is gathered only when asked
+    for (the model's own sum does not): ``p`` [n, hg] fp32 (P before its bf16 rounding), ``q`` [n, hg, Dqk] and
+    ``grad_out`` [n, hg, Dv] of the slot's query (padding heads zero), ``delta`` [n, hg]."""
 
     rows: tuple
     contrib: np.ndarray
-    p: np.ndarray
-    q: np.ndarray
-    grad_out: np.ndarray
-    delta: np.ndarray
+    _valid: np.ndarray  # [B, C, BI]
+    _tile: tuple  # the block's P [B, C, hg, BI], q and dO [B, C, hg, *], Delta [B, C, hg, 1]
+
+    def _per_slot(self, x):
+        b, c, _ = np.nonzero(self._valid)
+        return x[b, c]
+
+    @property
+    def p(self) -> np.ndarray:
+        return np.swapaxes(self._tile[0], -1, -2)[self._valid]
+
+    @property
+    def q(self) -> np.ndarray:
+        return self._per_slot(self._tile[1])
+
+    @property
+    def grad_out(self) -> np.ndarray:
+        return self._per_slot(self._tile[2])
+
+    @property
+    def delta(self) -> np.ndarray:
+        return self._per_slot(self._tile[3][..., 0])
 
 
 def prepare(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=None,
@@ -145,9 +164,8 @@ def blocks(q, kv, grad_out, lse, attn_sink, indices, sm_scale, topk_length, prep
                 dq_acc += np.matmul(dsb, kvb)
                 contrib = np.matmul(np.swapaxes(dsb, -1, -2), qg)  # [B, C, BI, Dqk]
                 contrib[..., :Dv] += np.matmul(np.swapaxes(pb, -1, -2), dog)
-                b_of, c_of = np.broadcast_to(bidx, valid.shape), np.nonzero(valid)[1]
-                yield Block((b_of[valid], safe[valid]), contrib[valid], np.swapaxes(p, -1, -2)[valid],
-                            qg[b_of[valid], c_of], dog[b_of[valid], c_of], dg[..., 0][b_of[valid], c_of])
+                b_of = np.broadcast_to(bidx, valid.shape)
+                yield Block((b_of[valid], safe[valid]), contrib[valid], valid, (p, qg, dog, dg))
             dq[:, s0:s1, hs] = dq_acc
 
 

@@ -58,8 +58,10 @@ def test_the_bound_is_reached_when_do_lies_along_v_and_q_along_one_axis(study):
     grad_out = np.zeros(dv, dtype=np.float32)
     grad_out[0] = 2.0  # along v[:Dv]
     delta = -5.0  # dP = dO . v = 6: |dP - Delta| = |dO| |v| + |Delta|
-    blk = Block((np.array([0]), np.array([0])), None, np.array([[p]], np.float32), q[None, None], grad_out[None, None],
-                np.array([[delta]], np.float32))
+    one = (1, 1, 1)  # one batch, one query, one head; one slot
+    blk = Block((np.array([0]), np.array([0])), None, np.ones(one, bool),
+                (np.full(one + (1,), p, np.float32), q.reshape(one + (dqk,)), grad_out.reshape(one + (dv,)),
+                 np.full(one + (1,), delta, np.float32)))
     ds = p * (float(grad_out @ v[:dv]) - delta) * scale
     contrib = ds * q.astype(np.float64)
     contrib[:dv] += p * grad_out
