@@ -17,13 +17,6 @@ def _worker_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def _routed_outcomes() -> dict:
-    """ROUTED's outcomes: its 4 gpu-marked tests and the CUDA backend's suite test pass where CUDA is (a GPU
-    runner), else they skip."""
-    import torch
-
-    on_gpu = 4 + 1
-    return {"passed": 10 + 1 + on_gpu} if torch.cuda.is_available() else {"passed": 10 + 1, "skipped": on_gpu}
 
 
 def test_visible_gpus_follow_the_device_count_and_cuda_visible_devices():
@@ -133,22 +126,35 @@ class OnGpu(ReferenceBackend):
 '''
 
 
-def test_gpu_tests_run_on_the_gpu_worker_and_cpu_tests_on_cpu_workers(pytester, monkeypatch):
-    """-n auto with one (faked) GPU and two CPU workers: the gpu-marked tests and the suite's tests on a CUDA
-    backend run on gw0, the GPU worker; the others on the CPU workers (gw0 takes some once its GPU work is done)."""
+def _run_routed(pytester, monkeypatch, **env):
+    """ROUTED under ``-n auto`` with one (faked) GPU and ``env`` (the worker counts): the result, after its outcomes
+    are checked, and {test: the worker that ran it}. Its 4 gpu-marked tests and the CUDA backend's suite test pass
+    where CUDA is (a GPU runner), else they skip."""
     import re
+
+    import torch
 
     monkeypatch.setattr(gpu_workers, "cuda_device_count", lambda: 1)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
-    monkeypatch.setenv("SMQA_CPU_WORKERS", "2")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     pytester.makepyfile(test_routed=ROUTED, gpukernels=ON_GPU)
     pytester.syspathinsert()
     r = pytester.runpytest_inprocess("-n", "auto", "-v", "-p", "no:cacheprovider", "-p", "sparse_mqa_testkit.plugin",
                                      "--smqa-backend", "reference,gpukernels:OnGpu")
-    r.assert_outcomes(**_routed_outcomes())
+    on_gpu = 4 + 1
+    r.assert_outcomes(**({"passed": 10 + 1 + on_gpu} if torch.cuda.is_available() else
+                         {"passed": 10 + 1, "skipped": on_gpu}))
     ran = {m.group(2): m.group(1) for m in
            re.finditer(r"\[(gw\d)\] \[ *\d+%\] \w+ +test_routed\.py::(\S+)", r.stdout.str())}
+    return r, ran
+
+
+def test_gpu_tests_run_on_the_gpu_worker_and_cpu_tests_on_cpu_workers(pytester, monkeypatch):
+    """-n auto with one (faked) GPU and two CPU workers: the gpu-marked tests and the suite's tests on a CUDA
+    backend run on gw0, the GPU worker; the others on the CPU workers (gw0 takes some once its GPU work is done)."""
+    r, ran = _run_routed(pytester, monkeypatch, SMQA_CPU_WORKERS="2")
     assert len(ran) == 4 + 10 + 2, r.stdout.str()
     gpu = {t: w for t, w in ran.items() if t.startswith("test_on_gpu") or "OnGpu" in t}
     assert len(gpu) == 5 and set(gpu.values()) == {"gw0"}
@@ -160,21 +166,8 @@ def test_gpu_tests_run_on_the_gpu_worker_and_cpu_tests_on_cpu_workers(pytester, 
 def test_two_workers_on_one_gpu_run_its_groups_side_by_side(pytester, monkeypatch):
     """SMQA_WORKERS_PER_GPU=2 on one (faked) GPU: gw0 and gw1 are both GPU workers of GPU 0 and take one GPU group
     each (the gpu-marked module, the CUDA backend's suite tests); gw2 runs the CPU tests."""
-    import re
-
-    monkeypatch.setattr(gpu_workers, "cuda_device_count", lambda: 1)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
-    monkeypatch.setenv("SMQA_CPU_WORKERS", "1")
-    monkeypatch.setenv("SMQA_WORKERS_PER_GPU", "2")
-    pytester.makepyfile(test_routed=ROUTED, gpukernels=ON_GPU)
-    pytester.syspathinsert()
-    r = pytester.runpytest_inprocess("-n", "auto", "-v", "-p", "no:cacheprovider", "-p", "sparse_mqa_testkit.plugin",
-                                     "--smqa-backend", "reference,gpukernels:OnGpu")
-    r.assert_outcomes(**_routed_outcomes())
+    r, ran = _run_routed(pytester, monkeypatch, SMQA_CPU_WORKERS="1", SMQA_WORKERS_PER_GPU="2")
     r.stdout.fnmatch_lines(["*3 workers*", "gw0: CUDA_VISIBLE_DEVICES=0 *", "gw1: CUDA_VISIBLE_DEVICES=0 *"])
-    ran = {m.group(2): m.group(1) for m in
-           re.finditer(r"\[(gw\d)\] \[ *\d+%\] \w+ +test_routed\.py::(\S+)", r.stdout.str())}
     on_gpu = {w for t, w in ran.items() if t.startswith("test_on_gpu")}
     suite = {w for t, w in ran.items() if "OnGpu" in t}
     assert len(on_gpu) == 1 and len(suite) == 1 and on_gpu | suite == {"gw0", "gw1"}, r.stdout.str()
