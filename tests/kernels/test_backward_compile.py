@@ -150,10 +150,10 @@ def test_prep_pass_compiles_without_atomics():
 
 
 def test_reduction_benchmark_compiles_and_pads_to_its_occupancy():
-    """``benchmarks/bench_reduce.py`` (the int64 bulk-reduction floor behind issue 6's BENCHMARKS numbers):
-    its kernel compiles for sm_90a, sends rows only with its config's bulk reduction (.add.u64, .add.f32 for the
+    """``benchmarks/bench_reduce.py`` (the reduction floors behind issues 6 and 26's BENCHMARKS numbers): its
+    kernel compiles for sm_90a, sends rows only with its config's bulk reduction (.add.u64, .add.f32 for the
     float32 configs, .add.u32 for the int32 ones), and its shared memory admits exactly the blocks per SM the config
-    names."""
+    names; a register config sends with its own red.global flavour only."""
     import importlib.util
     import pathlib
 
@@ -178,3 +178,13 @@ def test_reduction_benchmark_compiles_and_pads_to_its_occupancy():
         # an SM has 228 KB of shared memory and each block also takes 1 KB of it
         size = words * mod.ESIZE[dtype]
         assert (228 * 1024) // (size + 1024) == per_sm, (config, size)
+    # the red: configs send every term with one red.global.add from registers, no bulk copy and no atomicAdd
+    assert mod.parse("red:frag-u32/2") == ("red", "frag", 2, 576, "int32")
+    with pytest.raises(ValueError, match="unknown register pattern"):
+        mod.parse("red:line-u64/1")
+    for config, call in (("red:frag-u64/1", "smqa_red_u64"), ("red:smem-u32/1", "smqa_red_u32"),
+                         ("red:tfrag-u32/2", "smqa_red_u32"), ("red:v4-f32/1", "smqa_red_v4_f32")):
+        src = mod.build(*mod.parse(config), 132).get_kernel_source()
+        body = src[src.index("red_reduce_kernel("):]
+        assert set(re.findall(r"(smqa_red_\w+|sparse_mqa_bulk_add_\w+)\(\(", body)) == {call}, config
+        assert "AtomicAdd" not in body and "atomicAdd" not in body
