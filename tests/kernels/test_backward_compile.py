@@ -188,3 +188,21 @@ def test_reduction_benchmark_compiles_and_pads_to_its_occupancy():
         body = src[src.index("red_reduce_kernel("):]
         assert set(re.findall(r"(smqa_red_\w+|sparse_mqa_bulk_add_\w+)\(\(", body)) == {call}, config
         assert "AtomicAdd" not in body and "atomicAdd" not in body
+
+
+def test_wide_probe_compiles_in_cudnns_shape():
+    """``benchmarks/probe_wide_backward.py`` (issue 26's compute-path probe): it compiles for sm_90a with two
+    128-thread warpgroups, S and dP as 64 x 64 wgmma tiles (N = 64 top-k slots, not today's 16), dkv as 64 x 64
+    chunks, and no atomics (its dkv is computed, not reduced)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "probe_wide_backward.py"
+    spec = importlib.util.spec_from_file_location("probe_wide_backward", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = mod.compiled().get_kernel_source()
+    assert "__launch_bounds__(256, 1)" in src
+    shapes = set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", src))
+    assert ("64", "64") in shapes and ("64", "256") in shapes, shapes
+    assert "tl::mma" not in src and "AtomicAdd" not in src and "atomicAdd" not in src
