@@ -1,29 +1,60 @@
-"""Probe: the deterministic backward's compute path in cuDNN's SM90 shape, in TileLang (issue 26, lead 2).
+"""Probe: the deterministic backward in cuDNN's SM90 shape, in TileLang (issue 26): its compute path, and ways to
+reduce its dkv exactly.
 
-    PYTHONUNBUFFERED=1 python benchmarks/probe_wide_backward.py [anchor l512 h128]   # on the GPU
-    python benchmarks/probe_wide_backward.py                  # no GPU: compile for sm_90a only
+    PYTHONUNBUFFERED=1 python benchmarks/probe_wide_backward.py [anchor l512 h128] [--variants 64/none,48/bulk]
+    python benchmarks/probe_wide_backward.py          # no GPU: compile every variant for sm_90a, time nothing
 
-One block = one query row x 64 heads, 256 threads, two warpgroups and no producer: WG0 gathers a 64-slot block of
-KV rows (cp.async), runs S = Q K^T and dP = dO V^T (N = 64), P and dS, and dq[:, :256]; WG1 runs dq[:, 256:] and
-dkv in 9 chunks of [64 slots x 64 columns] (M = slots). dkv is computed but not reduced: the probe times the products
-and the gather, beside today's kernel (``sparse_mqa_kernels.backward``) on the same inputs; the reduction floors are
-``bench_reduce.py``'s. dq is real, and compared bit for bit with today's kernel's.
+One block = one query row x 64 heads, 256 threads, two warpgroups and no producer: WG0 gathers a block of ``BI``
+KV rows (cp.async), runs S = Q K^T and dP = dO V^T (N = BI), P and dS, and dq[:, :256]; WG1 runs dq[:, 256:] and
+dkv in 9 chunks of 64 columns. At BI = 64 (cuDNN's tiles) dkv's chunks are [64 slots x 64 columns] and shared memory
+is full (224.25 of 227 KiB); below 64 they are dkv^T's [64 columns x BI slots] (wgmma's M is 64) and the room left
+holds an int32 staging buffer. A variant ``BI/mode``:
+
+- ``none``: dkv computed, not reduced (the compute path);
+- ``stage``: and each chunk rounded to int32 with its KV row's scale (held in registers) into shared memory;
+- ``bulk``: and sent with ``cp.reduce.async.bulk .add.u32``, one 256-byte op per slot and chunk;
+- ``line``: and sent with ``red.global.add.u32``, 32 lanes on one row's 128 bytes.
+
+Today's kernel (``sparse_mqa_kernels.backward``, int64 with one F a call) runs beside it on the same inputs. dq is
+compared bit for bit with today's; a sending variant's dkv is compared with today's exact one, with per-row scales
+taken from it (2**-23 of int32's range at its largest entry; the prep pass that would bound each row is not here).
 """
+import argparse
 import statistics
-import sys
 
 import torch
 
 from sparse_mqa_testkit import contract
 
 C = 64  # dkv chunk columns
-BI = 64  # top-k slots per block
 
+U32 = r"""
+__device__ __forceinline__ void smqa_bulk_add_u32(void const* smem, void* gmem, int bytes) {
+  unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u32 [%0], [%1], %2;"
+               :: "l"(gmem), "r"(s), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void smqa_bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void smqa_bulk_wait_read0() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void smqa_bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+__device__ __forceinline__ void smqa_red_u32(void* p, int v) {
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+"""
 
-def build_program(dqk=576, dv=512, n0=256):
+def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     import tilelang.language as T
 
+    reds = "none_t" if (mode == "none" and BI < 64) else mode
+    assert BI in (32, 48, 64) and mode in ("none", "stage", "bulk", "line") and (BI < 64 or mode == "none")
     HG, D = 64, dv
+    W = C + 4  # staged int32 per row, padded 16 bytes
     NCH = dqk // C
     N1 = dqk - n0
     ROWS_PER_PASS = 16
@@ -46,10 +77,12 @@ def build_program(dqk=576, dv=512, n0=256):
         Rows: T.Tensor([n_rows], i32),
         dQ: T.Tensor([batch, seq_len, heads, dqk], bf16),
         Keep: T.Tensor([batch, dqk], f32),
+        RowScale: T.Tensor([batch, seq_kv], f32),
+        Acc: T.Tensor([batch, seq_kv, dqk], i32),
         sm_scale: f32,
     ):
         groups = T.ceildiv(heads, HG)
-        with T.Kernel(n_rows, batch, groups, threads=256) as (bx, by, bz):
+        with T.Kernel(n_rows, batch, groups, threads=256, prelude=U32) as (bx, by, bz):
             Q_shared = T.alloc_shared([HG, dqk], bf16)
             dO_shared = T.alloc_shared([HG, D], bf16)
             KV_shared = T.alloc_shared([BI, dqk], bf16)
@@ -60,7 +93,16 @@ def build_program(dqk=576, dv=512, n0=256):
             acc_dp = T.alloc_fragment([HG, BI], f32)
             acc_dq0 = T.alloc_fragment([HG, n0], f32)
             acc_dq1 = T.alloc_fragment([HG, N1], f32)
-            acc_kv = T.alloc_fragment([BI, C], f32)
+            if reds == "none":
+                acc_kv = T.alloc_fragment([BI, C], f32)
+            else:
+                acc_kvt = T.alloc_fragment([C, BI], f32)  # dkv^T chunk: M = columns (BI < 64 slots)
+                scale_f = T.alloc_fragment([BI], f32)  # this block's row scales, in registers
+                stage = T.alloc_shared([1, BI, W], i32)
+                scale_shared = T.alloc_shared([BI], f32)
+                scale1_shared = T.alloc_shared([BI], f32)  # WG1's copy: WG0 rewrites scale_shared once KV is free
+                idx1_shared = T.alloc_shared([BI], i32)
+                row_j = T.alloc_var(i32)
             lse_f = T.alloc_fragment([HG], f32)
             delta_f = T.alloc_fragment([HG], f32)
             idx_r = T.alloc_local([PASSES], i32)
@@ -115,6 +157,8 @@ def build_program(dqk=576, dv=512, n0=256):
                         ok = T.And(kb * BI + row < n_valid, T.And(idx_r[r] >= 0, idx_r[r] < seq_kv))
                         if p % 8 == 0:
                             idx_shared[row] = T.if_then_else(ok, idx_r[r], -1)
+                            if reds != "none":
+                                scale_shared[row] = T.if_then_else(ok, RowScale[b_i, idx_r[r]], 0.0)
                         if ok:
                             for u in T.serial(CHUNKS):
                                 T.ptx_cp_async(
@@ -148,35 +192,89 @@ def build_program(dqk=576, dv=512, n0=256):
                 for kb in T.serial(n_blk):
                     T.barrier_wait(bar_p, kb & 1)
                     T.gemm(dS_shared, KV_shared[:, n0:dqk], acc_dq1)
+                    if reds != "none":
+                        # this block's rows and scales, read before WG0 may gather the next block
+                        if tx - 128 < BI:
+                            row_j = idx_shared[tx - 128]
+                            scale1_shared[tx - 128] = scale_shared[tx - 128]
+                            idx1_shared[tx - 128] = idx_shared[tx - 128]
+                        if reds != "none_t":
+                            for j in T.Parallel(BI):
+                                scale_f[j] = scale_shared[j]
                     T.barrier_arrive(bar_k_free)
                     for c in T.unroll(NCH):
-                        if c * C < D:
-                            T.gemm(P_shared, dO_shared[:, c * C:(c + 1) * C], acc_kv, transpose_A=True,
-                                   clear_accum=True)
-                            T.gemm(dS_shared, Q_shared[:, c * C:(c + 1) * C], acc_kv, transpose_A=True)
+                        if reds == "none":
+                            if c * C < D:
+                                T.gemm(P_shared, dO_shared[:, c * C:(c + 1) * C], acc_kv, transpose_A=True,
+                                       clear_accum=True)
+                                T.gemm(dS_shared, Q_shared[:, c * C:(c + 1) * C], acc_kv, transpose_A=True)
+                            else:
+                                T.gemm(dS_shared, Q_shared[:, c * C:(c + 1) * C], acc_kv, transpose_A=True,
+                                       clear_accum=True)
+                            # keeps the chunk's product alive without moving its bytes (the probe times compute)
+                            for j, d in T.Parallel(BI, C):
+                                if acc_kv[j, d] == 1.0e30:
+                                    Keep[b_i, c * C + d] = acc_kv[j, d]
                         else:
-                            T.gemm(dS_shared, Q_shared[:, c * C:(c + 1) * C], acc_kv, transpose_A=True,
+                            T.gemm(Q_shared[:, c * C:(c + 1) * C], dS_shared, acc_kvt, transpose_A=True,
                                    clear_accum=True)
-                        # keeps the chunk's product alive without moving its bytes (the probe times compute)
-                        for j, d in T.Parallel(BI, C):
-                            if acc_kv[j, d] == 1.0e30:
-                                Keep[b_i, c * C + d] = acc_kv[j, d]
+                            if c * C < D:
+                                T.gemm(dO_shared[:, c * C:(c + 1) * C], P_shared, acc_kvt, transpose_A=True)
+                        if reds == "none_t":
+                            for d, j in T.Parallel(C, BI):
+                                if acc_kvt[d, j] == 1.0e30:
+                                    Keep[b_i, c * C + d] = acc_kvt[d, j]
+                        if reds == "stage":  # timing only: the stores, without the barriers a send needs
+                            for d, j in T.Parallel(C, BI):
+                                stage[0, j, d] = T.cast(T.round(acc_kvt[d, j] * scale_f[j]), i32)
+                        if reds in ("bulk", "line"):
+                            # the previous chunk's rows have been read (by the bulk engine, or by this warpgroup)
+                            if T.And(tx - 128 < BI, reds == "bulk"):
+                                T.call_extern("handle", "smqa_bulk_wait_read0")
+                            T.sync_threads(14, 128)
+                            for d, j in T.Parallel(C, BI):
+                                stage[0, j, d] = T.cast(T.round(acc_kvt[d, j] * scale_f[j]), i32)
+                            if reds == "bulk":
+                                T.fence_proxy_async()
+                            T.sync_threads(14, 128)
+                            if reds == "line":
+                                # whole 128-byte lines: warp w sends rows w, w + 4, ...; lane l columns l and 32 + l
+                                for r4 in T.serial(BI // 4):
+                                    rr = r4 * 4 + (tx - 128) // 32
+                                    if idx1_shared[rr] >= 0:
+                                        for k2 in T.unroll(C // 32):
+                                            T.call_extern("handle", "smqa_red_u32", T.address_of(
+                                                Acc[b_i, idx1_shared[rr], c * C + k2 * 32 + tx % 32]),
+                                                stage[0, rr, k2 * 32 + tx % 32])
+                            elif tx - 128 < BI:
+                                if T.And(row_j >= 0, reds == "bulk"):
+                                    T.call_extern("handle", "smqa_bulk_add_u32", T.address_of(stage[0, tx - 128, 0]),
+                                                  T.address_of(Acc[b_i, row_j, c * C]), C * 4)
+                                T.call_extern("handle", "smqa_bulk_commit")
                     T.barrier_arrive(bar_pds_free)
                 for h, d in T.Parallel(HG, N1):
                     if h0 + h < heads:
                         dQ[b_i, s_i, h0 + h, n0 + d] = T.cast(acc_dq1[h, d], bf16)
+                if reds != "none":
+                    if tx - 128 < BI:
+                        T.call_extern("handle", "smqa_bulk_wait_all")
 
     return wide_bwd
 
 
-def compiled():
+VARIANTS = ("64/none", "48/none", "48/stage", "48/bulk", "48/line", "32/bulk")
+
+
+def compiled(variant: str):
     import tilelang
 
     from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET
-    return tilelang.compile(build_program(), out_idx=None, target=TARGET, execution_backend=EXECUTION_BACKEND)
+    bi, mode = variant.split("/")
+    return tilelang.compile(build_program(int(bi), mode), out_idx=None, target=TARGET,
+                            execution_backend=EXECUTION_BACKEND)
 
 
-def timed(fn, iters=10):
+def timed(fn, iters):
     ts = []
     for _ in range(iters + 2):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -188,14 +286,23 @@ def timed(fn, iters=10):
     return statistics.median(ts[2:])
 
 
-def main():
-    k = compiled()
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("shapes", nargs="*", default=["anchor", "l512", "h128"], help="sparse-mqa-bench presets")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--iters", type=int, default=10)
+    a = p.parse_args(argv)
+    ks = {v: compiled(v) for v in a.variants.split(",")}
     if not torch.cuda.is_available():
-        print("compiled for sm_90a (no GPU here: nothing timed)")
+        print(f"compiled {', '.join(ks)} for sm_90a (no GPU here: nothing timed)")
         return
     from sparse_mqa_kernels import backward, bwd_plan, forward
     from sparse_mqa_kernels.bench.shapes import PRESETS, make_inputs
-    for name in sys.argv[1:] or ["anchor", "l512", "h128"]:
+    for name in a.shapes:
         x = make_inputs(PRESETS[name], "cuda", seed=0, sink=True)
         q, kv, go, idx, sink, sm = x["q"], x["kv"], x["grad_out"], x["indices"], x["attn_sink"], x["sm_scale"]
         out, lse = forward.sparse_mqa_forward(q, kv, idx, sm, 512, attn_sink=sink)
@@ -206,15 +313,29 @@ def main():
         lse2 = contract.lse_to_base2(lse, sink).contiguous()
         rows = torch.arange(S, dtype=torch.int32, device="cuda")
         acc = torch.zeros((B, kv.shape[1], 576), dtype=torch.int64, device="cuda")
-        dq_ref = torch.empty_like(q)
-        dq = torch.empty_like(q)
+        dq_ref, dq = torch.empty_like(q), torch.empty_like(q)
         keep = torch.zeros((B, 576), dtype=torch.float32, device="cuda")
         k64 = backward.compiled(plan.key())
-        t_ref = timed(lambda: k64(q, kv, go, idx, tl, lse2, delta, rows, fx, dq_ref, acc, sm))
-        t_probe = timed(lambda: k(q, kv, go, idx, tl, lse2, delta, rows, dq, keep, sm))
-        err = ((dq.float() - dq_ref.float()).norm() / dq_ref.float().norm()).item()
-        print(f"{name}: kernel today {t_ref:.3f} ms, probe (dkv not reduced) {t_probe:.3f} ms; "
-              f"dq bitwise equal {torch.equal(dq, dq_ref)} (rel. L2 diff {err:.2e})", flush=True)
+        t_ref = timed(lambda: k64(q, kv, go, idx, tl, lse2, delta, rows, fx, dq_ref, acc, sm), a.iters)
+        print(f"{name}: today's kernel {t_ref:.3f} ms", flush=True)
+        acc.zero_()
+        k64(q, kv, go, idx, tl, lse2, delta, rows, fx, dq_ref, acc, sm)
+        dkv_ref = acc.double() / float(fx.item())
+        rmax = dkv_ref.abs().amax(-1)
+        row_scale = torch.where(rmax > 0, torch.exp2(23 - torch.ceil(torch.log2(rmax))), torch.zeros_like(rmax)).float()
+        acc32 = torch.zeros((B, kv.shape[1], 576), dtype=torch.int32, device="cuda")
+        for v, k in ks.items():
+            t = timed(lambda: k(q, kv, go, idx, tl, lse2, delta, rows, dq, keep, row_scale, acc32, sm), a.iters)
+            extra = ""
+            if v.endswith(("bulk", "line")):
+                acc32.zero_()
+                k(q, kv, go, idx, tl, lse2, delta, rows, dq, keep, row_scale, acc32, sm)
+                safe = torch.where(row_scale > 0, row_scale, torch.ones_like(row_scale)).double()[..., None]
+                dkv = acc32.double() / safe
+                worst = ((dkv - dkv_ref).abs().amax(-1) / rmax.clamp_min(1e-30)).max().item()
+                extra = f"; dkv rel. L2 diff to today's {rel(dkv, dkv_ref):.2e}, worst row (max-rel) {worst:.2e}"
+            print(f"  probe {v}: {t:.3f} ms; dq bitwise equal {torch.equal(dq, dq_ref)}{extra}", flush=True)
+
 
 if __name__ == "__main__":
     main()

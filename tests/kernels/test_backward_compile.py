@@ -191,9 +191,9 @@ def test_reduction_benchmark_compiles_and_pads_to_its_occupancy():
 
 
 def test_wide_probe_compiles_in_cudnns_shape():
-    """``benchmarks/probe_wide_backward.py`` (issue 26's compute-path probe): it compiles for sm_90a with two
-    128-thread warpgroups, S and dP as 64 x 64 wgmma tiles (N = 64 top-k slots, not today's 16), dkv as 64 x 64
-    chunks, and no atomics (its dkv is computed, not reduced)."""
+    """``benchmarks/probe_wide_backward.py`` (issue 26's probe): each variant compiles for sm_90a with two 128-thread
+    warpgroups and S / dP as 64 x BI wgmma tiles; 64-slot blocks fill shared memory with Q, dO, the KV block, P and
+    dS only (cuDNN's tiles); a sending variant sends only with its own operation, and none uses a float atomic."""
     import importlib.util
     import pathlib
 
@@ -201,8 +201,14 @@ def test_wide_probe_compiles_in_cudnns_shape():
     spec = importlib.util.spec_from_file_location("probe_wide_backward", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    src = mod.compiled().get_kernel_source()
-    assert "__launch_bounds__(256, 1)" in src
-    shapes = set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", src))
-    assert ("64", "64") in shapes and ("64", "256") in shapes, shapes
-    assert "tl::mma" not in src and "AtomicAdd" not in src and "atomicAdd" not in src
+    with pytest.raises(AssertionError):
+        mod.build_program(64, "bulk")  # no room for staging beside cuDNN's tiles
+    for variant, sends in (("64/none", set()), ("48/bulk", {"smqa_bulk_add_u32"}), ("48/line", {"smqa_red_u32"})):
+        src = mod.compiled(variant).get_kernel_source()
+        body = src[src.index('extern "C" __global__'):]
+        bi = variant.split("/")[0]
+        assert "__launch_bounds__(256, 1)" in body
+        shapes = set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", body))
+        assert ("64", bi) in shapes, (variant, shapes)
+        assert set(re.findall(r"(smqa_\w+_u32)\(", body)) == sends, variant
+        assert "atomicAdd" not in body and "AtomicAdd" not in body
