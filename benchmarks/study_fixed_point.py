@@ -1,7 +1,7 @@
 """Lead 1 of the deterministic backward's speed work, its numerics on CPU: int32 fixed point with a scale per KV row
 against today's int64 with one scale per call, and against float32 atomics.
 
-    python benchmarks/study_fixed_point.py [--cases unit,spread,hot,hot1k,peaky,far,huge,mixed] [--seed 0]
+    python benchmarks/study_fixed_point.py [--cases unit,spread,hot,hot1k,hot4k,peaky,far,huge,mixed] [--seed 0]
 
 The deterministic backward sends each dkv contribution rounded to an integer multiple of 2**-F and adds the
 integers, so the sum is exact and order-free. Today F is one number per call (``backward_model.dkv_bound``: a bound
@@ -45,6 +45,7 @@ CASES = {
     "spread": dict(magnitude="spread", pattern="local"),  # dO spans 2**+-20 along the queries, rows too
     "hot": dict(S=128, Skv=64, pattern="hot"),  # a few rows named by every query: many terms, heavy cancellation
     "hot1k": dict(S=1024, Skv=64, pattern="hot"),  # the same, 8x the terms a row
+    "hot4k": dict(S=4096, Skv=64, pattern="hot"),  # 4096 terms a row: a hot row's count per head group at the anchor
     "peaky": dict(magnitude="peaky"),  # logits of a few hundred, a near one-hot softmax
     "far": dict(sink="far"),  # the sink holds all but ~e**-400 of the mass
     "huge": dict(sink="huge"),  # finite sinks past 2.3e38
