@@ -78,11 +78,11 @@ def parse(spec: str) -> tuple:
     float32 / int32 rows. 'red:frag-u32/2' -> ('red', 'frag', 2, 576, 'int32')."""
     width, dtype = 576, "int64"
     if spec.startswith("red:"):
-        pattern, per_sm = spec[4:].split("/")
-        layout, t = pattern.split("-")
+        pattern, _, per_sm = spec[4:].partition("/")
         if pattern not in RED_PATTERNS:
             raise ValueError(f"unknown register pattern {pattern!r}: one of {', '.join(RED_PATTERNS)}")
-        return "red", layout, int(per_sm), width, RED_DTYPE[t]
+        layout, t = pattern.split("-")
+        return "red", layout, int(per_sm or 1), width, RED_DTYPE[t]
     if spec[-3:] in SUFFIX:
         spec, dtype = spec[:-3], SUFFIX[spec[-3:]]
     if spec.endswith("w256"):
@@ -149,7 +149,7 @@ def build_red(layout: str, per_sm: int, width: int, dtype: str, n_sms: int):
 
     from sparse_mqa_kernels.backward import PRELUDE, TARGET
 
-    # smem-u32's per-warp tiles, rows padded by one word (a warp's fragment stores then hit distinct banks)
+    # smem-u32's per-warp tiles, rows padded by one word (spreads a warp's fragment stores over the banks)
     tile_words = 16 * (RED_TILE_COLS + 1)
     pad = max(4 * tile_words, (min(SMEM_PER_SM // per_sm, 227 * 1024) - 1536) // 4)  # holds occupancy at per_sm
     grid = n_sms * per_sm

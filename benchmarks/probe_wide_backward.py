@@ -52,7 +52,10 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     import tilelang.language as T
 
     reds = "none_t" if (mode == "none" and BI < 64) else mode
-    assert BI in (32, 48, 64) and mode in ("none", "stage", "bulk", "line") and (BI < 64 or mode == "none")
+    if BI not in (32, 48, 64) or mode not in ("none", "stage", "bulk", "line"):
+        raise ValueError(f"variant {BI}/{mode}: BI is 32, 48 or 64 and mode none, stage, bulk or line")
+    if BI == 64 and mode != "none":
+        raise ValueError(f"variant 64/{mode}: 64-slot tiles leave no shared memory for staging; use 48 or 32 slots")
     HG, D = 64, dv
     W = C + 4  # staged int32 per row, padded 16 bytes
     NCH = dqk // C
