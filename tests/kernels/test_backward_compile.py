@@ -212,3 +212,21 @@ def test_wide_probe_compiles_in_cudnns_shape():
         assert ("64", bi) in shapes, (variant, shapes)
         assert set(re.findall(r"(smqa_\w+_u32)\(", body)) == sends, variant
         assert "atomicAdd" not in body and "AtomicAdd" not in body
+
+
+def test_split_dkv_probe_compiles_and_sends_whole_rows():
+    """``benchmarks/probe_split_dkv.py`` (issue 26's kernel B of the split design): it compiles for sm_90a, computes
+    dkv^T as 64 x 32 wgmma chunks, and sends dkv only as .add.u32 bulk rows (one per warpgroup and slot), no atomics."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "probe_split_dkv.py"
+    spec = importlib.util.spec_from_file_location("probe_split_dkv", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = mod.compiled(32).get_kernel_source()
+    body = src[src.index('extern "C" __global__'):]
+    assert set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", body)) == {("64", "32")}
+    assert set(re.findall(r"(smqa_bulk_add_\w+)\(", body)) == {"smqa_bulk_add_u32"}
+    assert len(re.findall(r"smqa_bulk_add_u32\(", body)) == 2
+    assert "atomicAdd" not in body and "AtomicAdd" not in body
