@@ -10,8 +10,8 @@ threads; WG0 owns dkv columns [0, 256), WG1 [256, 576); per block of BI slots ea
 whole-row staging buffer, and sends each valid row as one `.add.u32` bulk op per warpgroup (1024 and 1280 bytes).
 No KV gather, so the staging buffer has room for whole rows.
 
-The check: P, dS random bf16, the reference dkv from torch in float64, per-row scales from it (2**-23 of int32's range
-at the row's largest entry, as in probe_wide_backward.py).
+The check: P, dS random bf16, the reference dkv from torch in float64, per-row scales from it (each row's largest
+entry at 2**23, as in probe_wide_backward.py).
 """
 import argparse
 import statistics

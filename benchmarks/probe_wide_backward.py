@@ -17,7 +17,8 @@ holds an int32 staging buffer. A variant ``BI/mode``:
 
 Today's kernel (``sparse_mqa_kernels.backward``, int64 with one F a call) runs beside it on the same inputs. dq is
 compared bit for bit with today's; a sending variant's dkv is compared with today's exact one, with per-row scales
-taken from it (2**-23 of int32's range at its largest entry; the prep pass that would bound each row is not here).
+taken from it (its largest entry at 2**23, 8 bits below int32's 2**31 for partial sums; the prep pass that
+would bound each row is not here).
 """
 import argparse
 import statistics
