@@ -214,19 +214,26 @@ def test_wide_probe_compiles_in_cudnns_shape():
         assert "atomicAdd" not in body and "AtomicAdd" not in body
 
 
-def test_split_dkv_probe_compiles_and_sends_whole_rows():
-    """``benchmarks/probe_split_dkv.py`` (issue 26's kernel B of the split design): it compiles for sm_90a, computes
-    dkv^T as 64 x 32 wgmma chunks, and sends dkv only as .add.u32 bulk rows (one per warpgroup and slot), no atomics."""
+def test_split_probe_compiles_its_two_kernels():
+    """``benchmarks/probe_split_backward.py`` (issue 26's split design): both kernels compile for sm_90a; kernel A runs
+    S and dP as 64 x 64 wgmma tiles and adds its row bounds only with red.add.u64 (integers: order-free); kernel B
+    computes dkv^T as 64 x 32 chunks and sends dkv only as .add.u32 bulk rows, one per warpgroup and slot; neither
+    uses a float atomic."""
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "probe_split_dkv.py"
-    spec = importlib.util.spec_from_file_location("probe_split_dkv", path)
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "probe_split_backward.py"
+    spec = importlib.util.spec_from_file_location("probe_split_backward", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    src = mod.compiled(32).get_kernel_source()
-    body = src[src.index('extern "C" __global__'):]
-    assert set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", body)) == {("64", "32")}
-    assert set(re.findall(r"(smqa_bulk_add_\w+)\(", body)) == {"smqa_bulk_add_u32"}
-    assert len(re.findall(r"smqa_bulk_add_u32\(", body)) == 2
-    assert "atomicAdd" not in body and "AtomicAdd" not in body
+    bodies = {}
+    for which in ("a", "b"):
+        src = mod.compiled(which, 32).get_kernel_source()
+        bodies[which] = src[src.index('extern "C" __global__'):]
+        assert "atomicAdd" not in bodies[which] and "AtomicAdd" not in bodies[which]
+    shapes = set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", bodies["a"]))
+    assert ("64", "64") in shapes, shapes
+    assert set(re.findall(r"(smqa_\w+)\(\(", bodies["a"])) == {"smqa_red_u64"}
+    assert set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", bodies["b"])) == {("64", "32")}
+    assert set(re.findall(r"(smqa_bulk_add_\w+)\(", bodies["b"])) == {"smqa_bulk_add_u32"}
+    assert len(re.findall(r"smqa_bulk_add_u32\(", bodies["b"])) == 2

@@ -1,0 +1,493 @@
+"""Probe (issue 26, design (b) in BENCHMARKS): the deterministic backward split in two kernels, int32 per KV row.
+Compiled for sm_90a, NOT YET RUN on a GPU.
+
+    PYTHONUNBUFFERED=1 python benchmarks/probe_split_backward.py [anchor l512 h128] [--bi 32]
+    python benchmarks/probe_split_backward.py          # no GPU: compile both kernels for sm_90a only
+
+Kernel A (``build_a``): one block = one query x 64 heads, 256 threads, two warpgroups, 64-slot blocks, the compute
+path of ``probe_wide_backward.py``'s 64/none without dkv: WG0 gathers the KV rows, computes S, dP, P and dS and
+dq[:, :256]; WG1 computes dq[:, 256:], writes P and dS (bf16, the values the products use) to global memory, and
+adds each valid slot's exact bound on its dkv row's contribution, sum over heads of |dS| max|q| + P max|dO| (bf16
+P and dS, so no rounding is left out), as an int64 fixed-point integer per KV row (``red.add.u64``: order-free).
+
+Host: F_j = 29 - ceil(log2 B_j) per KV row (``bwd_plan``'s headroom, int32's 31 bits), as float32 scales 2**F_j.
+
+Kernel B (``build_b``): reads P and dS with q and dO (no KV gather, so shared memory holds whole-row int32 staging);
+WG0 owns dkv columns [0, 256), WG1 [256, 576); per block of BI slots each computes its dkv^T chunks ([64 columns x
+BI slots], wgmma M = columns), rounds them with the slot's row scale (registers) into the staging rows, and sends
+each valid row as one ``.add.u32`` bulk op per warpgroup (1024 and 1280 bytes). Then dkv = acc * 2**-F_j in bf16.
+
+Checked against today's kernel (``sparse_mqa_kernels.backward``, int64, exact) on the same inputs: dq bit for bit,
+dkv by relative error; every stage timed with CUDA events (today's prep pass, kernel A, the exponents, kernel B,
+the conversion) beside today's whole call.
+"""
+import argparse
+import statistics
+
+import torch
+
+from sparse_mqa_testkit import contract
+
+C = 64
+C0 = 256  # kernel B: WG0's dkv columns; WG1 has [C0, Dqk)
+ROW_HEADROOM = 29  # F_j = 29 - ceil(log2 B_j): two bits below int32's 2**31 (bwd_plan.HEADROOM_BITS)
+U32 = r"""
+__device__ __forceinline__ void smqa_bulk_add_u32(void const* smem, void* gmem, int bytes) {
+  unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u32 [%0], [%1], %2;"
+               :: "l"(gmem), "r"(s), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void smqa_bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void smqa_bulk_wait_read0() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void smqa_bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+__device__ __forceinline__ void smqa_red_u64(void* p, long long v) {
+  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+"""
+
+
+def build_a(dqk=576, dv=512, n0=256):
+    """Kernel A: dq, P and dS to global memory, and the per-row bounds (see the module docstring)."""
+    import tilelang.language as T
+
+    BI = 64
+    HG, D = 64, dv
+    N1 = dqk - n0
+    ROWS_PER_PASS = 16
+    PASSES = BI // ROWS_PER_PASS
+    CHUNKS = dqk // 64
+    Q_CHUNKS, O_CHUNKS = HG * (dqk // 8), HG * (D // 8)
+    batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
+    bf16, f32, i32, i64 = T.bfloat16, T.float32, T.int32, T.int64
+    log2e = contract.LOG2E
+
+    @T.prim_func
+    def split_a(
+        Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
+        KV: T.Tensor([batch, seq_kv, dqk], bf16),
+        dO: T.Tensor([batch, seq_len, heads, dv], bf16),
+        Indices: T.Tensor([batch, seq_len, topk], i32),
+        TopkLen: T.Tensor([batch, seq_len], i32),
+        Lse2: T.Tensor([batch, seq_len, heads], f32),
+        Delta: T.Tensor([batch, seq_len, heads], f32),
+        QMax: T.Tensor([batch, seq_len, heads], f32),
+        OMax: T.Tensor([batch, seq_len, heads], f32),
+        Rows: T.Tensor([n_rows], i32),
+        Ex: T.Tensor([1], f32),
+        dQ: T.Tensor([batch, seq_len, heads, dqk], bf16),
+        Pout: T.Tensor([batch, seq_len, heads, topk], bf16),
+        dSout: T.Tensor([batch, seq_len, heads, topk], bf16),
+        RowBound: T.Tensor([batch, seq_kv], i64),
+        sm_scale: f32,
+    ):
+        groups = T.ceildiv(heads, HG)
+        with T.Kernel(n_rows, batch, groups, threads=256, prelude=U32) as (bx, by, bz):
+            Q_shared = T.alloc_shared([HG, dqk], bf16)
+            dO_shared = T.alloc_shared([HG, D], bf16)
+            KV_shared = T.alloc_shared([BI, dqk], bf16)
+            idx_shared = T.alloc_shared([BI], i32)
+            idx1_shared = T.alloc_shared([BI], i32)  # WG1's copy: WG0 rewrites idx_shared once KV is free
+            qmax_shared = T.alloc_shared([HG], f32)
+            omax_shared = T.alloc_shared([HG], f32)
+            P_shared = T.alloc_shared([HG, BI], bf16)
+            dS_shared = T.alloc_shared([HG, BI], bf16)
+            acc_s = T.alloc_fragment([HG, BI], f32)
+            acc_dp = T.alloc_fragment([HG, BI], f32)
+            acc_dq0 = T.alloc_fragment([HG, n0], f32)
+            acc_dq1 = T.alloc_fragment([HG, N1], f32)
+            lse_f = T.alloc_fragment([HG], f32)
+            delta_f = T.alloc_fragment([HG], f32)
+            idx_r = T.alloc_local([PASSES], i32)
+            ok = T.alloc_var("bool")
+            bound = T.alloc_var(f32)
+            bar_k_ready = T.alloc_barrier(arrive_count=256)  # 128 cp.async + 128 plain arrivals (WG0)
+            bar_k_free = T.alloc_barrier(arrive_count=256)  # both warpgroups done reading KV_shared
+            bar_p = T.alloc_barrier(arrive_count=128)  # WG0: P and dS in shared memory
+            bar_pds_free = T.alloc_barrier(arrive_count=128)  # WG1: done reading P and dS
+
+            tx = T.get_thread_binding()
+            b_i, s_i, h0 = by, Rows[bx], bz * HG
+            c2 = sm_scale * log2e
+            ex = Ex[0]
+            n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
+            n_blk = T.ceildiv(n_valid, BI)
+            if tx < HG:
+                qmax_shared[tx] = T.if_then_else(h0 + tx < heads, QMax[b_i, s_i, T.min(h0 + tx, heads - 1)], 0.0)
+                omax_shared[tx] = T.if_then_else(h0 + tx < heads, OMax[b_i, s_i, T.min(h0 + tx, heads - 1)], 0.0)
+            for i in T.serial(T.ceildiv(Q_CHUNKS, 256)):
+                c = i * 256 + tx
+                if c < Q_CHUNKS:
+                    for v in T.vectorized(8):
+                        Q_shared[c // (dqk // 8), (c % (dqk // 8)) * 8 + v] = T.if_then_else(
+                            h0 + c // (dqk // 8) < heads, Q[b_i, s_i, h0 + c // (dqk // 8), (c % (dqk // 8)) * 8 + v],
+                            T.cast(0, bf16))
+            for i in T.serial(T.ceildiv(O_CHUNKS, 256)):
+                c = i * 256 + tx
+                if c < O_CHUNKS:
+                    for v in T.vectorized(8):
+                        dO_shared[c // (D // 8), (c % (D // 8)) * 8 + v] = T.if_then_else(
+                            h0 + c // (D // 8) < heads, dO[b_i, s_i, h0 + c // (D // 8), (c % (D // 8)) * 8 + v],
+                            T.cast(0, bf16))
+            for i in T.serial(T.ceildiv(BI * (dqk // 8), 256)):
+                c = i * 256 + tx
+                if c < BI * (dqk // 8):
+                    for v in T.vectorized(8):
+                        KV_shared[c // (dqk // 8), (c % (dqk // 8)) * 8 + v] = T.cast(0, bf16)
+            T.fence_proxy_async()
+            T.sync_threads()
+
+            if tx < 128:
+                for h in T.Parallel(HG):
+                    lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, h0 + h], T.infinity(f32))
+                    delta_f[h] = T.if_then_else(h0 + h < heads, Delta[b_i, s_i, h0 + h], 0.0)
+                T.clear(acc_dq0)
+                p = tx
+                for kb in T.serial(n_blk):
+                    for r in T.unroll(PASSES):
+                        idx_r[r] = -1
+                        if kb * BI + r * ROWS_PER_PASS + p // 8 < n_valid:
+                            idx_r[r] = Indices[b_i, s_i, kb * BI + r * ROWS_PER_PASS + p // 8]
+                    if kb > 0:
+                        T.barrier_wait(bar_k_free, (kb - 1) & 1)
+                    for r in T.unroll(PASSES):
+                        row = r * ROWS_PER_PASS + p // 8
+                        ok = T.And(kb * BI + row < n_valid, T.And(idx_r[r] >= 0, idx_r[r] < seq_kv))
+                        if p % 8 == 0:
+                            idx_shared[row] = T.if_then_else(ok, idx_r[r], -1)
+                        if ok:
+                            for u in T.serial(CHUNKS):
+                                T.ptx_cp_async(
+                                    T.access_ptr(KV_shared[row, 64 * u + (p % 8) * 8], "w", 8),
+                                    T.access_ptr(KV[b_i, idx_r[r], 64 * u + (p % 8) * 8], "r", 8),
+                                    8,
+                                )
+                    T.cp_async_barrier_noinc(bar_k_ready)
+                    T.barrier_arrive(bar_k_ready)
+                    T.barrier_wait(bar_k_ready, kb & 1)
+                    T.wgmma_gemm(Q_shared, KV_shared, acc_s, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(dO_shared, KV_shared[:, 0:D], acc_dp, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    for h, j in T.Parallel(HG, BI):
+                        acc_s[h, j] = T.if_then_else(idx_shared[j] >= 0, T.exp2(acc_s[h, j] * c2 - lse_f[h]), 0.0)
+                    for h, j in T.Parallel(HG, BI):
+                        acc_dp[h, j] = acc_s[h, j] * (acc_dp[h, j] - delta_f[h]) * sm_scale
+                    if kb > 0:
+                        T.barrier_wait(bar_pds_free, (kb - 1) & 1)
+                    T.copy(acc_s, P_shared)
+                    T.copy(acc_dp, dS_shared)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_p)
+                    T.gemm(dS_shared, KV_shared[:, 0:n0], acc_dq0)
+                    T.barrier_arrive(bar_k_free)
+                for h, d in T.Parallel(HG, n0):
+                    if h0 + h < heads:
+                        dQ[b_i, s_i, h0 + h, d] = T.cast(acc_dq0[h, d], bf16)
+            else:
+                T.clear(acc_dq1)
+                for kb in T.serial(n_blk):
+                    T.barrier_wait(bar_p, kb & 1)
+                    T.gemm(dS_shared, KV_shared[:, n0:dqk], acc_dq1)
+                    if tx - 128 < BI:
+                        idx1_shared[tx - 128] = idx_shared[tx - 128]
+                    T.barrier_arrive(bar_k_free)
+                    T.sync_threads(15, 128)
+                    # P and dS as the products use them (bf16), to global memory for kernel B
+                    for h, t in T.Parallel(HG, BI):
+                        if T.And(h0 + h < heads, kb * BI + t < topk):
+                            Pout[b_i, s_i, h0 + h, kb * BI + t] = P_shared[h, t]
+                            dSout[b_i, s_i, h0 + h, kb * BI + t] = dS_shared[h, t]
+                    # each valid slot's bound on its contribution to its KV row, as an integer on the 2**-E grid
+                    if tx - 128 < BI:
+                        bound = 0.0
+                        for h in T.serial(HG):
+                            bound += (T.abs(T.cast(dS_shared[h, tx - 128], f32)) * qmax_shared[h]
+                                      + T.cast(P_shared[h, tx - 128], f32) * omax_shared[h])
+                        if idx1_shared[tx - 128] >= 0:
+                            T.call_extern("handle", "smqa_red_u64",
+                                          T.address_of(RowBound[b_i, idx1_shared[tx - 128]]),
+                                          T.cast(T.ceil(bound * ex), i64))
+                    T.barrier_arrive(bar_pds_free)
+                for h, d in T.Parallel(HG, N1):
+                    if h0 + h < heads:
+                        dQ[b_i, s_i, h0 + h, n0 + d] = T.cast(acc_dq1[h, d], bf16)
+
+    return split_a
+
+
+def build_b(BI=32, dqk=576, dv=512):
+    import tilelang.language as T
+
+    HG = 64
+    W = dqk + 4  # staged int32 per row, padded 16 bytes
+    CH0 = tuple(range(C0 // C))  # WG0's chunks
+    CH1 = tuple(range(C0 // C, dqk // C))  # WG1's chunks (the last one is the rope tail: Q only)
+    PV = BI // 8  # 16-byte vectors per head row of a P / dS block
+    assert HG * PV == 256, "one vector of P and one of dS per thread"
+    batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+    Q_CHUNKS, O_CHUNKS = HG * (dqk // 8), HG * (dv // 8)
+
+    @T.prim_func
+    def split_dkv(
+        Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
+        dO: T.Tensor([batch, seq_len, heads, dv], bf16),
+        P: T.Tensor([batch, seq_len, heads, topk], bf16),
+        dS: T.Tensor([batch, seq_len, heads, topk], bf16),
+        Indices: T.Tensor([batch, seq_len, topk], i32),
+        TopkLen: T.Tensor([batch, seq_len], i32),
+        RowScale: T.Tensor([batch, seq_kv], f32),
+        Rows: T.Tensor([n_rows], i32),
+        Acc: T.Tensor([batch, seq_kv, dqk], i32),
+    ):
+        groups = T.ceildiv(heads, HG)
+        with T.Kernel(n_rows, batch, groups, threads=256, prelude=U32) as (bx, by, bz):
+            Q_shared = T.alloc_shared([HG, dqk], bf16)
+            dO_shared = T.alloc_shared([HG, dv], bf16)
+            P_shared = T.alloc_shared([HG, BI], bf16)
+            dS_shared = T.alloc_shared([HG, BI], bf16)
+            stage = T.alloc_shared([BI, W], i32)
+            idx_shared = T.alloc_shared([BI], i32)
+            scale_shared = T.alloc_shared([BI], f32)
+            acc0 = T.alloc_fragment([C, BI], f32)
+            acc1 = T.alloc_fragment([C, BI], f32)
+            scale0 = T.alloc_fragment([BI], f32)
+            scale1 = T.alloc_fragment([BI], f32)
+            row_j = T.alloc_var(i32)
+
+            tx = T.get_thread_binding()
+            b_i, s_i, h0 = by, Rows[bx], bz * HG
+            n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
+            n_blk = T.ceildiv(n_valid, BI)
+            for i in T.serial(T.ceildiv(Q_CHUNKS, 256)):
+                c = i * 256 + tx
+                if c < Q_CHUNKS:
+                    for v in T.vectorized(8):
+                        Q_shared[c // (dqk // 8), (c % (dqk // 8)) * 8 + v] = T.if_then_else(
+                            h0 + c // (dqk // 8) < heads, Q[b_i, s_i, h0 + c // (dqk // 8), (c % (dqk // 8)) * 8 + v],
+                            T.cast(0, bf16))
+            for i in T.serial(T.ceildiv(O_CHUNKS, 256)):
+                c = i * 256 + tx
+                if c < O_CHUNKS:
+                    for v in T.vectorized(8):
+                        dO_shared[c // (dv // 8), (c % (dv // 8)) * 8 + v] = T.if_then_else(
+                            h0 + c // (dv // 8) < heads, dO[b_i, s_i, h0 + c // (dv // 8), (c % (dv // 8)) * 8 + v],
+                            T.cast(0, bf16))
+            for kb in T.serial(n_blk):
+                # this block's P and dS, 16 bytes a thread (padded heads and vectors past L as zero; slots past the
+                # valid prefix are loaded but never sent, their rows being -1)
+                for v in T.vectorized(8):
+                    P_shared[tx // PV, (tx % PV) * 8 + v] = T.if_then_else(
+                        T.And(h0 + tx // PV < heads, kb * BI + (tx % PV) * 8 + 8 <= topk),
+                        P[b_i, s_i, h0 + tx // PV, kb * BI + (tx % PV) * 8 + v], T.cast(0, bf16))
+                for v in T.vectorized(8):
+                    dS_shared[tx // PV, (tx % PV) * 8 + v] = T.if_then_else(
+                        T.And(h0 + tx // PV < heads, kb * BI + (tx % PV) * 8 + 8 <= topk),
+                        dS[b_i, s_i, h0 + tx // PV, kb * BI + (tx % PV) * 8 + v], T.cast(0, bf16))
+                if tx < BI:
+                    row_j = -1
+                    if kb * BI + tx < n_valid:
+                        row_j = Indices[b_i, s_i, kb * BI + tx]
+                    row_j = T.if_then_else(T.And(row_j >= 0, row_j < seq_kv), row_j, -1)
+                    idx_shared[tx] = row_j
+                    scale_shared[tx] = T.if_then_else(row_j >= 0, RowScale[b_i, T.max(row_j, 0)], 0.0)
+                T.fence_proxy_async()
+                T.sync_threads()
+                if tx < 128:
+                    for j in T.Parallel(BI):
+                        scale0[j] = scale_shared[j]
+                    for c in CH0:
+                        T.gemm(Q_shared[:, c * C:(c + 1) * C], dS_shared, acc0, transpose_A=True, clear_accum=True)
+                        T.gemm(dO_shared[:, c * C:(c + 1) * C], P_shared, acc0, transpose_A=True)
+                        if c == CH0[0]:
+                            # the previous block's rows have been read by the bulk engine
+                            if tx < BI:
+                                T.call_extern("handle", "smqa_bulk_wait_read0")
+                            T.sync_threads(14, 128)
+                        for d, j in T.Parallel(C, BI):
+                            stage[j, c * C + d] = T.cast(T.round(acc0[d, j] * scale0[j]), i32)
+                    T.fence_proxy_async()
+                    T.sync_threads(14, 128)
+                    if tx < BI:
+                        row_j = idx_shared[tx]
+                        if row_j >= 0:
+                            T.call_extern("handle", "smqa_bulk_add_u32", T.address_of(stage[tx, 0]),
+                                          T.address_of(Acc[b_i, row_j, 0]), C0 * 4)
+                        T.call_extern("handle", "smqa_bulk_commit")
+                else:
+                    for j in T.Parallel(BI):
+                        scale1[j] = scale_shared[j]
+                    for c in CH1:
+                        T.gemm(Q_shared[:, c * C:(c + 1) * C], dS_shared, acc1, transpose_A=True, clear_accum=True)
+                        if c * C < dv:
+                            T.gemm(dO_shared[:, c * C:(c + 1) * C], P_shared, acc1, transpose_A=True)
+                        if c == CH1[0]:
+                            if tx - 128 < BI:
+                                T.call_extern("handle", "smqa_bulk_wait_read0")
+                            T.sync_threads(15, 128)
+                        for d, j in T.Parallel(C, BI):
+                            stage[j, c * C + d] = T.cast(T.round(acc1[d, j] * scale1[j]), i32)
+                    T.fence_proxy_async()
+                    T.sync_threads(15, 128)
+                    if tx - 128 < BI:
+                        row_j = idx_shared[tx - 128]
+                        if row_j >= 0:
+                            T.call_extern("handle", "smqa_bulk_add_u32", T.address_of(stage[tx - 128, C0]),
+                                          T.address_of(Acc[b_i, row_j, C0]), (dqk - C0) * 4)
+                        T.call_extern("handle", "smqa_bulk_commit")
+                # both warpgroups are done with this block's P, dS, rows and scales
+                T.sync_threads()
+            if tx % 128 < BI:
+                T.call_extern("handle", "smqa_bulk_wait_all")
+
+    return split_dkv
+
+
+def compiled(which: str, bi: int = 32):
+    import tilelang
+
+    from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET
+    program = build_a() if which == "a" else build_b(bi)
+    return tilelang.compile(program, out_idx=None, target=TARGET, execution_backend=EXECUTION_BACKEND)
+
+
+def timed(fn, iters):
+    ts = []
+    for _ in range(iters + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts[2:])
+
+
+def reference_dkv(q, go, P, dS, idx, Skv):
+    """float64 dkv = sum over (query, slot) naming a row of dS^T q + P^T [dO; 0], 64 queries at a time."""
+    B, S, H, Dqk = q.shape
+    dkv = torch.zeros(B, Skv, Dqk, dtype=torch.float64, device=q.device)
+    go_pad = torch.nn.functional.pad(go, (0, Dqk - go.shape[-1]))
+    for b in range(B):
+        for s0 in range(0, S, 64):
+            sl = slice(s0, s0 + 64)
+            t = torch.einsum("sht,shd->std", dS[b, sl].float(), q[b, sl].float())
+            t += torch.einsum("sht,shd->std", P[b, sl].float(), go_pad[b, sl].float())
+            dkv[b].index_add_(0, idx[b, sl].reshape(-1).long(), t.reshape(-1, Dqk).double())
+    return dkv
+
+
+def row_scales(row_bound, ex):
+    """Per KV row, 2**F_j with F_j = ROW_HEADROOM - ceil(log2 B_j) (B_j = row_bound / ex), and 2**-F_j; 0 and 1 for a
+    row no valid slot names (its terms are all zero)."""
+    b = row_bound.double() / ex.double()
+    f = torch.clamp(ROW_HEADROOM - torch.ceil(torch.log2(b.clamp_min(1e-300))), -120, 120)
+    named = b > 0
+    return (torch.where(named, torch.exp2(f), torch.zeros_like(f)).float(),
+            torch.where(named, torch.exp2(-f), torch.ones_like(f)))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("shapes", nargs="*", default=["anchor", "l512", "h128"])
+    p.add_argument("--bi", type=int, default=32, help="kernel B's slots per block")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--b-only", action="store_true", help="kernel B alone on random P and dS, against torch in float64")
+    a = p.parse_args(argv)
+    ka, kb = compiled("a"), compiled("b", a.bi)
+    if not torch.cuda.is_available():
+        print(f"compiled kernel A and kernel B (BI={a.bi}) for sm_90a (no GPU here: nothing timed)")
+        return
+    from sparse_mqa_kernels import backward, bwd_plan, forward
+    from sparse_mqa_kernels.bench.shapes import PRESETS, make_inputs
+    for name in a.shapes:
+        x = make_inputs(PRESETS[name], "cuda", seed=0, sink=True)
+        q, kv, go, idx, sink, sm = x["q"], x["kv"], x["grad_out"], x["indices"], x["attn_sink"], x["sm_scale"]
+        B, S, H, Dqk = q.shape
+        L, Skv = idx.shape[-1], kv.shape[1]
+        tl = torch.full((B, S), L, dtype=torch.int32, device="cuda")
+        rows = torch.arange(S, dtype=torch.int32, device="cuda")
+        if a.b_only:
+            b_only(kb, q, go, idx, tl, rows, Skv, name, a)
+            continue
+        out, lse = forward.sparse_mqa_forward(q, kv, idx, sm, 512, attn_sink=sink)
+        t_today = timed(lambda: backward.sparse_mqa_backward(q, kv, out, go, lse, sink, idx, sm), a.iters)
+        dq_ref, dkv_today, _ = backward.sparse_mqa_backward(q, kv, out, go, lse, sink, idx, sm)
+        # today's exact dkv, before its bf16 rounding
+        plan = bwd_plan.make_plan(B, S, Skv, H, L, Dqk, 512)
+        delta, fx, F = backward._prep(q, kv, out, go, lse, sink, idx, tl, sm, 512)
+        lse2 = contract.lse_to_base2(lse, sink).contiguous()
+        acc64 = torch.zeros(B, Skv, Dqk, dtype=torch.int64, device="cuda")
+        backward.compiled(plan.key())(q, kv, go, idx, tl, lse2, delta, rows, fx, torch.empty_like(q), acc64, sm)
+        exact = acc64.double() / float(fx.item())
+        del acc64
+
+        stages = ("prep", "kernel A", "exponents", "kernel B", "conversion")
+        times = {k: [] for k in stages}
+        for it in range(a.iters + 2):
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(stages) + 1)]
+            ev[0].record()
+            delta, fx, F = backward._prep(q, kv, out, go, lse, sink, idx, tl, sm, 512)
+            lse2 = contract.lse_to_base2(lse, sink).contiguous()
+            qmax, omax = q.abs().amax(-1).float(), go.abs().amax(-1).float()  # (bwd_prep's to fold in)
+            ex = fx / 4  # the per-row integers' sum stays below 2**60 (bwd_plan's bound G, 2**F G <= 2**60)
+            ev[1].record()
+            row_bound = torch.zeros(B, Skv, dtype=torch.int64, device="cuda")
+            dq = torch.empty_like(q)
+            Pg = torch.empty(B, S, H, L, dtype=torch.bfloat16, device="cuda")
+            dSg = torch.empty_like(Pg)
+            ka(q, kv, go, idx, tl, lse2, delta, qmax, omax, rows, ex, dq, Pg, dSg, row_bound, sm)
+            ev[2].record()
+            scale, inv = row_scales(row_bound, ex)
+            ev[3].record()
+            acc = torch.zeros(B, Skv, Dqk, dtype=torch.int32, device="cuda")
+            kb(q, go, Pg, dSg, idx, tl, scale, rows, acc)
+            ev[4].record()
+            dkv = (acc.double() * inv[..., None]).to(torch.bfloat16)
+            ev[5].record()
+            torch.cuda.synchronize()
+            if it >= 2:
+                for k, (e0, e1) in zip(stages, zip(ev, ev[1:])):
+                    times[k].append(e0.elapsed_time(e1))
+            del Pg, dSg
+        med = {k: statistics.median(v) for k, v in times.items()}
+        total = sum(med.values())
+        err = ((dkv.double() - exact).norm() / exact.norm()).item()
+        rmax = exact.abs().amax(-1)
+        worst = ((dkv.double() - exact).abs().amax(-1) / rmax.clamp_min(1e-30)).max().item()
+        print(f"{name}: today's call {t_today:.3f} ms; split {total:.3f} ms = "
+              + " + ".join(f"{k} {v:.3f}" for k, v in med.items()), flush=True)
+        print(f"  dq bitwise equal to today's {torch.equal(dq, dq_ref)}; dkv rel. L2 to the exact sum {err:.2e} "
+              f"(today's bf16 {((dkv_today.double() - exact).norm() / exact.norm()).item():.2e}), worst row "
+              f"{worst:.2e}; elements differing from today's bf16 {int((dkv != dkv_today).sum())} of {dkv.numel()}; "
+              f"largest row bound {float((row_bound.double() / ex.double()).max()):.3e}", flush=True)
+
+
+def b_only(kb, q, go, idx, tl, rows, Skv, name, a):
+    """Kernel B on random P and dS, against torch's float64 dkv with per-row scales from it (row max at 2**23)."""
+    B, S, H, _ = q.shape
+    L = idx.shape[-1]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    P = torch.rand(B, S, H, L, generator=g, device="cuda").mul_(2 / L).to(torch.bfloat16)
+    dS = torch.randn(B, S, H, L, generator=g, device="cuda").mul_(1 / L).to(torch.bfloat16)
+    ref = reference_dkv(q, go, P, dS, idx, Skv)
+    rmax = ref.abs().amax(-1)
+    scale = torch.where(rmax > 0, torch.exp2(23 - torch.ceil(torch.log2(rmax))), torch.zeros_like(rmax)).float()
+    acc = torch.zeros(B, Skv, q.shape[-1], dtype=torch.int32, device="cuda")
+    t = timed(lambda: kb(q, go, P, dS, idx, tl, scale, rows, acc), a.iters)
+    acc.zero_()
+    kb(q, go, P, dS, idx, tl, scale, rows, acc)
+    dkv = acc.double() / torch.where(scale > 0, scale, torch.ones_like(scale)).double()[..., None]
+    err = ((dkv - ref).norm() / ref.norm()).item()
+    worst = ((dkv - ref).abs().amax(-1) / rmax.clamp_min(1e-30)).max().item()
+    print(f"{name}: kernel B alone (BI={a.bi}) {t:.3f} ms; dkv rel. L2 diff {err:.2e}, worst row {worst:.2e}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
