@@ -22,34 +22,29 @@ dkv by relative error; every stage timed with CUDA events (today's prep pass, ke
 the conversion) beside today's whole call.
 """
 import argparse
+import importlib.util
+import pathlib
 import statistics
 
 import torch
 
 from sparse_mqa_testkit import contract
 
+
+def _sibling(name: str):
+    """A probe beside this file, by path (the benchmarks folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name(f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# its prelude, tile loads, timing, inputs and check helpers are this probe's too
+WIDE = _sibling("probe_wide_backward")
+
 C = 64
 C0 = 256  # kernel B: WG0's dkv columns; WG1 has [C0, Dqk)
 ROW_HEADROOM = 29  # F_j = 29 - ceil(log2 B_j): two bits below int32's 2**31 (bwd_plan.HEADROOM_BITS)
-U32 = r"""
-__device__ __forceinline__ void smqa_bulk_add_u32(void const* smem, void* gmem, int bytes) {
-  unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u32 [%0], [%1], %2;"
-               :: "l"(gmem), "r"(s), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void smqa_bulk_commit() {
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-__device__ __forceinline__ void smqa_bulk_wait_read0() {
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-}
-__device__ __forceinline__ void smqa_bulk_wait_all() {
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-__device__ __forceinline__ void smqa_red_u64(void* p, long long v) {
-  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
-}
-"""
 
 
 def build_a(dqk=576, dv=512, n0=256):
@@ -62,7 +57,7 @@ def build_a(dqk=576, dv=512, n0=256):
     ROWS_PER_PASS = 16
     PASSES = BI // ROWS_PER_PASS
     CHUNKS = dqk // 64
-    Q_CHUNKS, O_CHUNKS = HG * (dqk // 8), HG * (D // 8)
+    load_query, zero_rows = WIDE.query_tiles(T, dqk, dv, HG)
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32, i64 = T.bfloat16, T.float32, T.int32, T.int64
     log2e = contract.LOG2E
@@ -87,7 +82,7 @@ def build_a(dqk=576, dv=512, n0=256):
         sm_scale: f32,
     ):
         groups = T.ceildiv(heads, HG)
-        with T.Kernel(n_rows, batch, groups, threads=256, prelude=U32) as (bx, by, bz):
+        with T.Kernel(n_rows, batch, groups, threads=256, prelude=WIDE.PRELUDE) as (bx, by, bz):
             Q_shared = T.alloc_shared([HG, dqk], bf16)
             dO_shared = T.alloc_shared([HG, D], bf16)
             KV_shared = T.alloc_shared([BI, dqk], bf16)
@@ -120,25 +115,8 @@ def build_a(dqk=576, dv=512, n0=256):
             if tx < HG:
                 qmax_shared[tx] = T.if_then_else(h0 + tx < heads, QMax[b_i, s_i, T.min(h0 + tx, heads - 1)], 0.0)
                 omax_shared[tx] = T.if_then_else(h0 + tx < heads, OMax[b_i, s_i, T.min(h0 + tx, heads - 1)], 0.0)
-            for i in T.serial(T.ceildiv(Q_CHUNKS, 256)):
-                c = i * 256 + tx
-                if c < Q_CHUNKS:
-                    for v in T.vectorized(8):
-                        Q_shared[c // (dqk // 8), (c % (dqk // 8)) * 8 + v] = T.if_then_else(
-                            h0 + c // (dqk // 8) < heads, Q[b_i, s_i, h0 + c // (dqk // 8), (c % (dqk // 8)) * 8 + v],
-                            T.cast(0, bf16))
-            for i in T.serial(T.ceildiv(O_CHUNKS, 256)):
-                c = i * 256 + tx
-                if c < O_CHUNKS:
-                    for v in T.vectorized(8):
-                        dO_shared[c // (D // 8), (c % (D // 8)) * 8 + v] = T.if_then_else(
-                            h0 + c // (D // 8) < heads, dO[b_i, s_i, h0 + c // (D // 8), (c % (D // 8)) * 8 + v],
-                            T.cast(0, bf16))
-            for i in T.serial(T.ceildiv(BI * (dqk // 8), 256)):
-                c = i * 256 + tx
-                if c < BI * (dqk // 8):
-                    for v in T.vectorized(8):
-                        KV_shared[c // (dqk // 8), (c % (dqk // 8)) * 8 + v] = T.cast(0, bf16)
+            load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
+            zero_rows(KV_shared, BI, tx)
             T.fence_proxy_async()
             T.sync_threads()
 
@@ -231,7 +209,7 @@ def build_b(BI=32, dqk=576, dv=512):
     assert HG * PV == 256, "one vector of P and one of dS per thread"
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
-    Q_CHUNKS, O_CHUNKS = HG * (dqk // 8), HG * (dv // 8)
+    load_query, _ = WIDE.query_tiles(T, dqk, dv, HG)
 
     @T.prim_func
     def split_dkv(
@@ -246,7 +224,7 @@ def build_b(BI=32, dqk=576, dv=512):
         Acc: T.Tensor([batch, seq_kv, dqk], i32),
     ):
         groups = T.ceildiv(heads, HG)
-        with T.Kernel(n_rows, batch, groups, threads=256, prelude=U32) as (bx, by, bz):
+        with T.Kernel(n_rows, batch, groups, threads=256, prelude=WIDE.PRELUDE) as (bx, by, bz):
             Q_shared = T.alloc_shared([HG, dqk], bf16)
             dO_shared = T.alloc_shared([HG, dv], bf16)
             P_shared = T.alloc_shared([HG, BI], bf16)
@@ -264,20 +242,7 @@ def build_b(BI=32, dqk=576, dv=512):
             b_i, s_i, h0 = by, Rows[bx], bz * HG
             n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
             n_blk = T.ceildiv(n_valid, BI)
-            for i in T.serial(T.ceildiv(Q_CHUNKS, 256)):
-                c = i * 256 + tx
-                if c < Q_CHUNKS:
-                    for v in T.vectorized(8):
-                        Q_shared[c // (dqk // 8), (c % (dqk // 8)) * 8 + v] = T.if_then_else(
-                            h0 + c // (dqk // 8) < heads, Q[b_i, s_i, h0 + c // (dqk // 8), (c % (dqk // 8)) * 8 + v],
-                            T.cast(0, bf16))
-            for i in T.serial(T.ceildiv(O_CHUNKS, 256)):
-                c = i * 256 + tx
-                if c < O_CHUNKS:
-                    for v in T.vectorized(8):
-                        dO_shared[c // (dv // 8), (c % (dv // 8)) * 8 + v] = T.if_then_else(
-                            h0 + c // (dv // 8) < heads, dO[b_i, s_i, h0 + c // (dv // 8), (c % (dv // 8)) * 8 + v],
-                            T.cast(0, bf16))
+            load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
             for kb in T.serial(n_blk):
                 # this block's P and dS, 16 bytes a thread (padded heads and vectors past L as zero; slots past the
                 # valid prefix are loaded but never sent, their rows being -1)
@@ -356,18 +321,6 @@ def compiled(which: str, bi: int = 32):
     return tilelang.compile(program, out_idx=None, target=TARGET, execution_backend=EXECUTION_BACKEND)
 
 
-def timed(fn, iters):
-    ts = []
-    for _ in range(iters + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts[2:])
-
-
 def reference_dkv(q, go, P, dS, idx, Skv):
     """float64 dkv = sum over (query, slot) naming a row of dS^T q + P^T [dO; 0], 64 queries at a time."""
     B, S, H, Dqk = q.shape
@@ -403,29 +356,19 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print(f"compiled kernel A and kernel B (BI={a.bi}) for sm_90a (no GPU here: nothing timed)")
         return
-    from sparse_mqa_kernels import backward, bwd_plan, forward
-    from sparse_mqa_kernels.bench.shapes import PRESETS, make_inputs
+    from sparse_mqa_kernels import backward
     for name in a.shapes:
-        x = make_inputs(PRESETS[name], "cuda", seed=0, sink=True)
-        q, kv, go, idx, sink, sm = x["q"], x["kv"], x["grad_out"], x["indices"], x["attn_sink"], x["sm_scale"]
-        B, S, H, Dqk = q.shape
-        L, Skv = idx.shape[-1], kv.shape[1]
-        tl = torch.full((B, S), L, dtype=torch.int32, device="cuda")
-        rows = torch.arange(S, dtype=torch.int32, device="cuda")
+        t = WIDE.today(name)
         if a.b_only:
-            b_only(kb, q, go, idx, tl, rows, Skv, name, a)
+            b_only(kb, t, name, a)
             continue
-        out, lse = forward.sparse_mqa_forward(q, kv, idx, sm, 512, attn_sink=sink)
-        t_today = timed(lambda: backward.sparse_mqa_backward(q, kv, out, go, lse, sink, idx, sm), a.iters)
+        q, kv, out, go, lse, sink, idx, sm, tl, rows = (t.q, t.kv, t.out, t.go, t.lse, t.sink, t.idx, t.sm, t.tl,
+                                                        t.rows)
+        B, S, H, Dqk = q.shape
+        L, Skv = t.L, t.Skv
+        t_today = WIDE.time_ms(lambda: backward.sparse_mqa_backward(q, kv, out, go, lse, sink, idx, sm), a.iters)
         dq_ref, dkv_today, _ = backward.sparse_mqa_backward(q, kv, out, go, lse, sink, idx, sm)
-        # today's exact dkv, before its bf16 rounding
-        plan = bwd_plan.make_plan(B, S, Skv, H, L, Dqk, 512)
-        delta, fx, F = backward._prep(q, kv, out, go, lse, sink, idx, tl, sm, 512)
-        lse2 = contract.lse_to_base2(lse, sink).contiguous()
-        acc64 = torch.zeros(B, Skv, Dqk, dtype=torch.int64, device="cuda")
-        backward.compiled(plan.key())(q, kv, go, idx, tl, lse2, delta, rows, fx, torch.empty_like(q), acc64, sm)
-        exact = acc64.double() / float(fx.item())
-        del acc64
+        exact = t.exact
 
         stages = ("prep", "kernel A", "exponents", "kernel B", "conversion")
         times = {k: [] for k in stages}
@@ -457,36 +400,28 @@ def main(argv=None):
             del Pg, dSg
         med = {k: statistics.median(v) for k, v in times.items()}
         total = sum(med.values())
-        err = ((dkv.double() - exact).norm() / exact.norm()).item()
-        rmax = exact.abs().amax(-1)
-        worst = ((dkv.double() - exact).abs().amax(-1) / rmax.clamp_min(1e-30)).max().item()
         print(f"{name}: today's call {t_today:.3f} ms; split {total:.3f} ms = "
               + " + ".join(f"{k} {v:.3f}" for k, v in med.items()), flush=True)
-        print(f"  dq bitwise equal to today's {torch.equal(dq, dq_ref)}; dkv rel. L2 to the exact sum {err:.2e} "
-              f"(today's bf16 {((dkv_today.double() - exact).norm() / exact.norm()).item():.2e}), worst row "
-              f"{worst:.2e}; elements differing from today's bf16 {int((dkv != dkv_today).sum())} of {dkv.numel()}; "
+        print(f"  dq bitwise equal to today's {torch.equal(dq, dq_ref)}; dkv against the exact sum: "
+              f"{WIDE.dkv_error(dkv.double(), exact)} (today's bf16: {WIDE.dkv_error(dkv_today.double(), exact)}); "
+              f"elements differing from today's bf16 {int((dkv != dkv_today).sum())} of {dkv.numel()}; "
               f"largest row bound {float((row_bound.double() / ex.double()).max()):.3e}", flush=True)
 
 
-def b_only(kb, q, go, idx, tl, rows, Skv, name, a):
+def b_only(kb, t, name, a):
     """Kernel B on random P and dS, against torch's float64 dkv with per-row scales from it (row max at 2**23)."""
-    B, S, H, _ = q.shape
-    L = idx.shape[-1]
+    B, S, H, _ = t.q.shape
     g = torch.Generator(device="cuda").manual_seed(1)
-    P = torch.rand(B, S, H, L, generator=g, device="cuda").mul_(2 / L).to(torch.bfloat16)
-    dS = torch.randn(B, S, H, L, generator=g, device="cuda").mul_(1 / L).to(torch.bfloat16)
-    ref = reference_dkv(q, go, P, dS, idx, Skv)
-    rmax = ref.abs().amax(-1)
-    scale = torch.where(rmax > 0, torch.exp2(23 - torch.ceil(torch.log2(rmax))), torch.zeros_like(rmax)).float()
-    acc = torch.zeros(B, Skv, q.shape[-1], dtype=torch.int32, device="cuda")
-    t = timed(lambda: kb(q, go, P, dS, idx, tl, scale, rows, acc), a.iters)
+    P = torch.rand(B, S, H, t.L, generator=g, device="cuda").mul_(2 / t.L).to(torch.bfloat16)
+    dS = torch.randn(B, S, H, t.L, generator=g, device="cuda").mul_(1 / t.L).to(torch.bfloat16)
+    ref = reference_dkv(t.q, t.go, P, dS, t.idx, t.Skv)
+    scale, divisor = WIDE.reference_scales(ref)
+    acc = torch.zeros(B, t.Skv, t.q.shape[-1], dtype=torch.int32, device="cuda")
+    ms = WIDE.time_ms(lambda: kb(t.q, t.go, P, dS, t.idx, t.tl, scale, t.rows, acc), a.iters)
     acc.zero_()
-    kb(q, go, P, dS, idx, tl, scale, rows, acc)
-    dkv = acc.double() / torch.where(scale > 0, scale, torch.ones_like(scale)).double()[..., None]
-    err = ((dkv - ref).norm() / ref.norm()).item()
-    worst = ((dkv - ref).abs().amax(-1) / rmax.clamp_min(1e-30)).max().item()
-    print(f"{name}: kernel B alone (BI={a.bi}) {t:.3f} ms; dkv rel. L2 diff {err:.2e}, worst row {worst:.2e}",
-          flush=True)
+    kb(t.q, t.go, P, dS, t.idx, t.tl, scale, t.rows, acc)
+    print(f"{name}: kernel B alone (BI={a.bi}) {ms:.3f} ms; dkv against torch's float64: "
+          f"{WIDE.dkv_error(acc.double() / divisor[..., None], ref)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ would bound each row is not here).
 """
 import argparse
 import statistics
+from types import SimpleNamespace
 
 import torch
 
@@ -29,7 +30,7 @@ from sparse_mqa_testkit import contract
 
 C = 64  # dkv chunk columns
 
-U32 = r"""
+PRELUDE = r"""
 __device__ __forceinline__ void smqa_bulk_add_u32(void const* smem, void* gmem, int bytes) {
   unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u32 [%0], [%1], %2;"
@@ -47,7 +48,45 @@ __device__ __forceinline__ void smqa_bulk_wait_all() {
 __device__ __forceinline__ void smqa_red_u32(void* p, int v) {
   asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
+__device__ __forceinline__ void smqa_red_u64(void* p, long long v) {
+  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
 """
+
+
+def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256):
+    """Two T.macro pieces the probes' kernels share: ``load_query`` puts one query's q and dO rows of a head group
+    into shared memory, 16 bytes a thread, padded heads as zero; ``zero_rows`` zeroes a [rows x dqk] tile (a KV block
+    starts at zero, so a slot never gathered holds finite values)."""
+    bf16 = T.bfloat16
+    Q_CHUNKS, O_CHUNKS = HG * (dqk // 8), HG * (dv // 8)
+
+    @T.macro
+    def load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx):
+        for i in T.serial(T.ceildiv(Q_CHUNKS, threads)):
+            c = i * threads + tx
+            if c < Q_CHUNKS:
+                for v in T.vectorized(8):
+                    Q_shared[c // (dqk // 8), (c % (dqk // 8)) * 8 + v] = T.if_then_else(
+                        h0 + c // (dqk // 8) < heads, Q[b_i, s_i, h0 + c // (dqk // 8), (c % (dqk // 8)) * 8 + v],
+                        T.cast(0, bf16))
+        for i in T.serial(T.ceildiv(O_CHUNKS, threads)):
+            c = i * threads + tx
+            if c < O_CHUNKS:
+                for v in T.vectorized(8):
+                    dO_shared[c // (dv // 8), (c % (dv // 8)) * 8 + v] = T.if_then_else(
+                        h0 + c // (dv // 8) < heads, dO[b_i, s_i, h0 + c // (dv // 8), (c % (dv // 8)) * 8 + v],
+                        T.cast(0, bf16))
+
+    @T.macro
+    def zero_rows(tile, rows, tx):
+        for i in T.serial(T.ceildiv(rows * (dqk // 8), threads)):
+            c = i * threads + tx
+            if c < rows * (dqk // 8):
+                for v in T.vectorized(8):
+                    tile[c // (dqk // 8), (c % (dqk // 8)) * 8 + v] = T.cast(0, bf16)
+
+    return load_query, zero_rows
 
 def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     import tilelang.language as T
@@ -64,7 +103,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     ROWS_PER_PASS = 16
     PASSES = BI // ROWS_PER_PASS
     CHUNKS = dqk // 64
-    Q_CHUNKS, O_CHUNKS = HG * (dqk // 8), HG * (D // 8)
+    load_query, zero_rows = query_tiles(T, dqk, dv, HG)
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
@@ -86,7 +125,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
         sm_scale: f32,
     ):
         groups = T.ceildiv(heads, HG)
-        with T.Kernel(n_rows, batch, groups, threads=256, prelude=U32) as (bx, by, bz):
+        with T.Kernel(n_rows, batch, groups, threads=256, prelude=PRELUDE) as (bx, by, bz):
             Q_shared = T.alloc_shared([HG, dqk], bf16)
             dO_shared = T.alloc_shared([HG, D], bf16)
             KV_shared = T.alloc_shared([BI, dqk], bf16)
@@ -121,25 +160,8 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
             c2 = sm_scale * log2e
             n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
             n_blk = T.ceildiv(n_valid, BI)
-            for i in T.serial(T.ceildiv(Q_CHUNKS, 256)):
-                c = i * 256 + tx
-                if c < Q_CHUNKS:
-                    for v in T.vectorized(8):
-                        Q_shared[c // (dqk // 8), (c % (dqk // 8)) * 8 + v] = T.if_then_else(
-                            h0 + c // (dqk // 8) < heads, Q[b_i, s_i, h0 + c // (dqk // 8), (c % (dqk // 8)) * 8 + v],
-                            T.cast(0, bf16))
-            for i in T.serial(T.ceildiv(O_CHUNKS, 256)):
-                c = i * 256 + tx
-                if c < O_CHUNKS:
-                    for v in T.vectorized(8):
-                        dO_shared[c // (D // 8), (c % (D // 8)) * 8 + v] = T.if_then_else(
-                            h0 + c // (D // 8) < heads, dO[b_i, s_i, h0 + c // (D // 8), (c % (D // 8)) * 8 + v],
-                            T.cast(0, bf16))
-            for i in T.serial(T.ceildiv(BI * (dqk // 8), 256)):
-                c = i * 256 + tx
-                if c < BI * (dqk // 8):
-                    for v in T.vectorized(8):
-                        KV_shared[c // (dqk // 8), (c % (dqk // 8)) * 8 + v] = T.cast(0, bf16)
+            load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
+            zero_rows(KV_shared, BI, tx)
             T.fence_proxy_async()
             T.sync_threads()
 
@@ -278,20 +300,52 @@ def compiled(variant: str):
                             execution_backend=EXECUTION_BACKEND)
 
 
-def timed(fn, iters):
-    ts = []
-    for _ in range(iters + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts[2:])
+def time_ms(fn, iters: int) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` calls after two warm-ups (``sparse-mqa-bench``'s timing)."""
+    from sparse_mqa_kernels.bench import timing
+
+    return statistics.median(timing.time_calls(lambda _: fn(), 1, 2, iters, "cuda"))
 
 
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
+def today(name: str) -> SimpleNamespace:
+    """A bench preset's inputs (finite sink), today's forward, prep and kernel on them, and today's exact dkv in
+    float64 (its int64 accumulator over 2**F, before the bf16 rounding): what both probes run beside and check
+    against."""
+    from sparse_mqa_kernels import backward, bwd_plan, forward
+    from sparse_mqa_kernels.bench.shapes import PRESETS, make_inputs
+
+    x = make_inputs(PRESETS[name], "cuda", seed=0, sink=True)
+    t = SimpleNamespace(q=x["q"], kv=x["kv"], go=x["grad_out"], idx=x["indices"], sink=x["attn_sink"],
+                        sm=x["sm_scale"])
+    t.out, t.lse = forward.sparse_mqa_forward(t.q, t.kv, t.idx, t.sm, 512, attn_sink=t.sink)
+    B, S, H, Dqk = t.q.shape
+    t.L, t.Skv = t.idx.shape[-1], t.kv.shape[1]
+    t.tl = torch.full((B, S), t.L, dtype=torch.int32, device="cuda")
+    t.rows = torch.arange(S, dtype=torch.int32, device="cuda")
+    t.delta, t.fx, _ = backward._prep(t.q, t.kv, t.out, t.go, t.lse, t.sink, t.idx, t.tl, t.sm, 512)
+    t.lse2 = contract.lse_to_base2(t.lse, t.sink).contiguous()
+    t.kernel = backward.compiled(bwd_plan.make_plan(B, S, t.Skv, H, t.L, Dqk, 512).key())
+    t.acc = torch.zeros(B, t.Skv, Dqk, dtype=torch.int64, device="cuda")
+    t.dq = torch.empty_like(t.q)
+    t.kernel(t.q, t.kv, t.go, t.idx, t.tl, t.lse2, t.delta, t.rows, t.fx, t.dq, t.acc, t.sm)
+    t.exact = t.acc.double() / float(t.fx.item())
+    return t
+
+
+def reference_scales(ref):
+    """Per-row scales for a check against ``ref`` ([B, Skv, Dqk] float64): each row's largest entry at 2**23 (8 bits
+    below int32's 2**31 for partial sums); 0 for an all-zero row. Returns (float32 scales, float64 divisors)."""
+    rmax = ref.abs().amax(-1)
+    f = 23 - torch.ceil(torch.log2(rmax.clamp_min(1e-300)))
+    return (torch.where(rmax > 0, torch.exp2(f), torch.zeros_like(f)).float(),
+            torch.where(rmax > 0, torch.exp2(f), torch.ones_like(f)))
+
+
+def dkv_error(dkv, ref) -> str:
+    """Relative L2 error of ``dkv`` against ``ref`` and its worst row (largest |error| over the row's largest entry)."""
+    err = ((dkv - ref).norm() / ref.norm()).item()
+    worst = ((dkv - ref).abs().amax(-1) / ref.abs().amax(-1).clamp_min(1e-30)).max().item()
+    return f"rel. L2 {err:.2e}, worst row (max-rel) {worst:.2e}"
 
 
 def main(argv=None):
@@ -304,41 +358,26 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print(f"compiled {', '.join(ks)} for sm_90a (no GPU here: nothing timed)")
         return
-    from sparse_mqa_kernels import backward, bwd_plan, forward
-    from sparse_mqa_kernels.bench.shapes import PRESETS, make_inputs
     for name in a.shapes:
-        x = make_inputs(PRESETS[name], "cuda", seed=0, sink=True)
-        q, kv, go, idx, sink, sm = x["q"], x["kv"], x["grad_out"], x["indices"], x["attn_sink"], x["sm_scale"]
-        out, lse = forward.sparse_mqa_forward(q, kv, idx, sm, 512, attn_sink=sink)
-        B, S, H, _ = q.shape
-        plan = bwd_plan.make_plan(B, S, kv.shape[1], H, idx.shape[-1], 576, 512)
-        tl = torch.full((B, S), idx.shape[-1], dtype=torch.int32, device="cuda")
-        delta, fx, F = backward._prep(q, kv, out, go, lse, sink, idx, tl, sm, 512)
-        lse2 = contract.lse_to_base2(lse, sink).contiguous()
-        rows = torch.arange(S, dtype=torch.int32, device="cuda")
-        acc = torch.zeros((B, kv.shape[1], 576), dtype=torch.int64, device="cuda")
-        dq_ref, dq = torch.empty_like(q), torch.empty_like(q)
-        keep = torch.zeros((B, 576), dtype=torch.float32, device="cuda")
-        k64 = backward.compiled(plan.key())
-        t_ref = timed(lambda: k64(q, kv, go, idx, tl, lse2, delta, rows, fx, dq_ref, acc, sm), a.iters)
+        t = today(name)
+        B, S, H, Dqk = t.q.shape
+        dq_ref, dq = t.dq.clone(), torch.empty_like(t.q)
+        t_ref = time_ms(lambda: t.kernel(t.q, t.kv, t.go, t.idx, t.tl, t.lse2, t.delta, t.rows, t.fx, dq_ref, t.acc,
+                                         t.sm), a.iters)
         print(f"{name}: today's kernel {t_ref:.3f} ms", flush=True)
-        acc.zero_()
-        k64(q, kv, go, idx, tl, lse2, delta, rows, fx, dq_ref, acc, sm)
-        dkv_ref = acc.double() / float(fx.item())
-        rmax = dkv_ref.abs().amax(-1)
-        row_scale = torch.where(rmax > 0, torch.exp2(23 - torch.ceil(torch.log2(rmax))), torch.zeros_like(rmax)).float()
-        acc32 = torch.zeros((B, kv.shape[1], 576), dtype=torch.int32, device="cuda")
+        keep = torch.zeros((B, Dqk), dtype=torch.float32, device="cuda")
+        row_scale, divisor = reference_scales(t.exact)
+        acc32 = torch.zeros((B, t.Skv, Dqk), dtype=torch.int32, device="cuda")
         for v, k in ks.items():
-            t = timed(lambda: k(q, kv, go, idx, tl, lse2, delta, rows, dq, keep, row_scale, acc32, sm), a.iters)
+            def call():
+                k(t.q, t.kv, t.go, t.idx, t.tl, t.lse2, t.delta, t.rows, dq, keep, row_scale, acc32, t.sm)
+            ms = time_ms(call, a.iters)
             extra = ""
             if v.endswith(("bulk", "line")):
                 acc32.zero_()
-                k(q, kv, go, idx, tl, lse2, delta, rows, dq, keep, row_scale, acc32, sm)
-                safe = torch.where(row_scale > 0, row_scale, torch.ones_like(row_scale)).double()[..., None]
-                dkv = acc32.double() / safe
-                worst = ((dkv - dkv_ref).abs().amax(-1) / rmax.clamp_min(1e-30)).max().item()
-                extra = f"; dkv rel. L2 diff to today's {rel(dkv, dkv_ref):.2e}, worst row (max-rel) {worst:.2e}"
-            print(f"  probe {v}: {t:.3f} ms; dq bitwise equal {torch.equal(dq, dq_ref)}{extra}", flush=True)
+                call()
+                extra = f"; dkv against today's exact sum: {dkv_error(acc32.double() / divisor[..., None], t.exact)}"
+            print(f"  probe {v}: {ms:.3f} ms; dq bitwise equal {torch.equal(dq, dq_ref)}{extra}", flush=True)
 
 
 if __name__ == "__main__":

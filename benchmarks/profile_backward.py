@@ -32,7 +32,8 @@ def main(argv=None) -> int:
     x = make_inputs(shape, "cuda", seed=0, sink=args.sink, indices=args.indices)
     fwd, reason = _load("tilelang", "cuda")
     if fwd is not None:
-        out, lse = fwd.forward(*Call(x).for_("forward")[0], **Call(x).for_("forward")[1])
+        f_args, f_kw = Call(x).for_("forward")
+        out, lse = fwd.forward(*f_args, **f_kw)
     else:
         print(f"forward from the device oracle (tilelang: {reason})", file=sys.stderr)
         out, lse = oracle_primal(x)
