@@ -1,8 +1,8 @@
-"""Probe (issue 26, design (b) in BENCHMARKS): the deterministic backward split in two kernels, int32 per KV row.
-Compiled for sm_90a, NOT YET RUN on a GPU.
+"""Probe (issue 26, design (b) in BENCHMARKS): the deterministic backward split in two kernels, int32 per KV row;
+and (``--bound``) kernel A reduced to the per-row bound alone, design (a)'s prep pass.
 
-    PYTHONUNBUFFERED=1 python benchmarks/probe_split_backward.py [anchor l512 h128] [--bi 32]
-    python benchmarks/probe_split_backward.py          # no GPU: compile both kernels for sm_90a only
+    PYTHONUNBUFFERED=1 python benchmarks/probe_split_backward.py [anchor l512 h128] [--bi 32] [--b-only | --bound]
+    python benchmarks/probe_split_backward.py [--bound]   # no GPU: compile the kernels for sm_90a only
 
 Kernel A (``build_a``): one block = one query x 64 heads, 256 threads, two warpgroups, 64-slot blocks, the compute
 path of ``probe_wide_backward.py``'s 64/none without dkv: WG0 gathers the KV rows, computes S, dP, P and dS and
@@ -47,9 +47,17 @@ C0 = 256  # kernel B: WG0's dkv columns; WG1 has [C0, Dqk)
 ROW_HEADROOM = 29  # F_j = 29 - ceil(log2 B_j): two bits below int32's 2**31 (bwd_plan.HEADROOM_BITS)
 
 
-def build_a(dqk=576, dv=512, n0=256):
-    """Kernel A: dq, P and dS to global memory, and the per-row bounds (see the module docstring)."""
+A_MODES = ("full", "bound2", "bound1")
+
+
+def build_a(mode="full", dqk=576, dv=512, n0=256):
+    """Kernel A: dq, P and dS to global memory, and the per-row bounds (see the module docstring). ``bound2`` and
+    ``bound1`` are the bound alone (design (a)'s prep pass): ``bound2`` with dP exact (S and dP products, no dq, no P
+    or dS stored); ``bound1`` with S only, |dP| bounded by |dO_h| |V_j| (the rows' 2-norms, ONorm and VNorm)."""
     import tilelang.language as T
+
+    if mode not in A_MODES:
+        raise ValueError(f"kernel A mode {mode!r}: one of {', '.join(A_MODES)}")
 
     BI = 64
     HG, D = 64, dv
@@ -79,6 +87,8 @@ def build_a(dqk=576, dv=512, n0=256):
         Pout: T.Tensor([batch, seq_len, heads, topk], bf16),
         dSout: T.Tensor([batch, seq_len, heads, topk], bf16),
         RowBound: T.Tensor([batch, seq_kv], i64),
+        ONorm: T.Tensor([batch, seq_len, heads], f32),
+        VNorm: T.Tensor([batch, seq_kv], f32),
         sm_scale: f32,
     ):
         groups = T.ceildiv(heads, HG)
@@ -88,6 +98,8 @@ def build_a(dqk=576, dv=512, n0=256):
             KV_shared = T.alloc_shared([BI, dqk], bf16)
             idx_shared = T.alloc_shared([BI], i32)
             idx1_shared = T.alloc_shared([BI], i32)  # WG1's copy: WG0 rewrites idx_shared once KV is free
+            vn_shared = T.alloc_shared([BI], f32)  # bound1: the block's rows' |V_j|
+            onorm_f = T.alloc_fragment([HG], f32)
             qmax_shared = T.alloc_shared([HG], f32)
             omax_shared = T.alloc_shared([HG], f32)
             P_shared = T.alloc_shared([HG, BI], bf16)
@@ -124,7 +136,10 @@ def build_a(dqk=576, dv=512, n0=256):
                 for h in T.Parallel(HG):
                     lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, h0 + h], T.infinity(f32))
                     delta_f[h] = T.if_then_else(h0 + h < heads, Delta[b_i, s_i, h0 + h], 0.0)
-                T.clear(acc_dq0)
+                    if mode == "bound1":
+                        onorm_f[h] = T.if_then_else(h0 + h < heads, ONorm[b_i, s_i, h0 + h], 0.0)
+                if mode == "full":
+                    T.clear(acc_dq0)
                 p = tx
                 for kb in T.serial(n_blk):
                     for r in T.unroll(PASSES):
@@ -138,6 +153,8 @@ def build_a(dqk=576, dv=512, n0=256):
                         ok = T.And(kb * BI + row < n_valid, T.And(idx_r[r] >= 0, idx_r[r] < seq_kv))
                         if p % 8 == 0:
                             idx_shared[row] = T.if_then_else(ok, idx_r[r], -1)
+                            if mode == "bound1":
+                                vn_shared[row] = T.if_then_else(ok, VNorm[b_i, idx_r[r]], 0.0)
                         if ok:
                             for u in T.serial(CHUNKS):
                                 T.ptx_cp_async(
@@ -149,37 +166,49 @@ def build_a(dqk=576, dv=512, n0=256):
                     T.barrier_arrive(bar_k_ready)
                     T.barrier_wait(bar_k_ready, kb & 1)
                     T.wgmma_gemm(Q_shared, KV_shared, acc_s, transpose_B=True, clear_accum=True)
-                    T.wgmma_gemm(dO_shared, KV_shared[:, 0:D], acc_dp, transpose_B=True, clear_accum=True)
+                    if mode != "bound1":
+                        T.wgmma_gemm(dO_shared, KV_shared[:, 0:D], acc_dp, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     for h, j in T.Parallel(HG, BI):
                         acc_s[h, j] = T.if_then_else(idx_shared[j] >= 0, T.exp2(acc_s[h, j] * c2 - lse_f[h]), 0.0)
-                    for h, j in T.Parallel(HG, BI):
-                        acc_dp[h, j] = acc_s[h, j] * (acc_dp[h, j] - delta_f[h]) * sm_scale
+                    if mode == "bound1":
+                        # |dS| <= P (|dO_h| |V_j| + |Delta_h|) |scale| (Cauchy-Schwarz on dP)
+                        for h, j in T.Parallel(HG, BI):
+                            acc_dp[h, j] = acc_s[h, j] * (onorm_f[h] * vn_shared[j] + T.abs(delta_f[h])) * T.abs(
+                                sm_scale)
+                    else:
+                        for h, j in T.Parallel(HG, BI):
+                            acc_dp[h, j] = acc_s[h, j] * (acc_dp[h, j] - delta_f[h]) * sm_scale
                     if kb > 0:
                         T.barrier_wait(bar_pds_free, (kb - 1) & 1)
                     T.copy(acc_s, P_shared)
                     T.copy(acc_dp, dS_shared)
                     T.fence_proxy_async()
                     T.barrier_arrive(bar_p)
-                    T.gemm(dS_shared, KV_shared[:, 0:n0], acc_dq0)
+                    if mode == "full":
+                        T.gemm(dS_shared, KV_shared[:, 0:n0], acc_dq0)
                     T.barrier_arrive(bar_k_free)
-                for h, d in T.Parallel(HG, n0):
-                    if h0 + h < heads:
-                        dQ[b_i, s_i, h0 + h, d] = T.cast(acc_dq0[h, d], bf16)
+                if mode == "full":
+                    for h, d in T.Parallel(HG, n0):
+                        if h0 + h < heads:
+                            dQ[b_i, s_i, h0 + h, d] = T.cast(acc_dq0[h, d], bf16)
             else:
-                T.clear(acc_dq1)
+                if mode == "full":
+                    T.clear(acc_dq1)
                 for kb in T.serial(n_blk):
                     T.barrier_wait(bar_p, kb & 1)
-                    T.gemm(dS_shared, KV_shared[:, n0:dqk], acc_dq1)
+                    if mode == "full":
+                        T.gemm(dS_shared, KV_shared[:, n0:dqk], acc_dq1)
                     if tx - 128 < BI:
                         idx1_shared[tx - 128] = idx_shared[tx - 128]
                     T.barrier_arrive(bar_k_free)
                     T.sync_threads(15, 128)
                     # P and dS as the products use them (bf16), to global memory for kernel B
-                    for h, t in T.Parallel(HG, BI):
-                        if T.And(h0 + h < heads, kb * BI + t < topk):
-                            Pout[b_i, s_i, h0 + h, kb * BI + t] = P_shared[h, t]
-                            dSout[b_i, s_i, h0 + h, kb * BI + t] = dS_shared[h, t]
+                    if mode == "full":
+                        for h, t in T.Parallel(HG, BI):
+                            if T.And(h0 + h < heads, kb * BI + t < topk):
+                                Pout[b_i, s_i, h0 + h, kb * BI + t] = P_shared[h, t]
+                                dSout[b_i, s_i, h0 + h, kb * BI + t] = dS_shared[h, t]
                     # each valid slot's bound on its contribution to its KV row, as an integer on the 2**-E grid
                     if tx - 128 < BI:
                         bound = 0.0
@@ -191,9 +220,10 @@ def build_a(dqk=576, dv=512, n0=256):
                                           T.address_of(RowBound[b_i, idx1_shared[tx - 128]]),
                                           T.cast(T.ceil(bound * ex), i64))
                     T.barrier_arrive(bar_pds_free)
-                for h, d in T.Parallel(HG, N1):
-                    if h0 + h < heads:
-                        dQ[b_i, s_i, h0 + h, n0 + d] = T.cast(acc_dq1[h, d], bf16)
+                if mode == "full":
+                    for h, d in T.Parallel(HG, N1):
+                        if h0 + h < heads:
+                            dQ[b_i, s_i, h0 + h, n0 + d] = T.cast(acc_dq1[h, d], bf16)
 
     return split_a
 
@@ -314,10 +344,11 @@ def build_b(BI=32, dqk=576, dv=512):
 
 
 def compiled(which: str, bi: int = 32):
+    """``which``: "a" (kernel A), "b" (kernel B at ``bi`` slots a block) or a bound-only kernel A mode."""
     import tilelang
 
     from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET
-    program = build_a() if which == "a" else build_b(bi)
+    program = build_b(bi) if which == "b" else build_a("full" if which == "a" else which)
     return tilelang.compile(program, out_idx=None, target=TARGET, execution_backend=EXECUTION_BACKEND)
 
 
@@ -351,7 +382,17 @@ def main(argv=None):
     p.add_argument("--bi", type=int, default=32, help="kernel B's slots per block")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--b-only", action="store_true", help="kernel B alone on random P and dS, against torch in float64")
+    p.add_argument("--bound", action="store_true", help="the bound-only kernels (bound2, bound1) alone, and their "
+                   "per-row bounds against today's exact dkv")
     a = p.parse_args(argv)
+    if a.bound:
+        kbs = {m: compiled(m) for m in A_MODES[1:]}
+        if torch.cuda.is_available():
+            for name in a.shapes:
+                bound_only(kbs, WIDE.today(name), name, a)
+        else:
+            print(f"compiled {', '.join(kbs)} for sm_90a (no GPU here: nothing timed)")
+        return
     ka, kb = compiled("a"), compiled("b", a.bi)
     if not torch.cuda.is_available():
         print(f"compiled kernel A and kernel B (BI={a.bi}) for sm_90a (no GPU here: nothing timed)")
@@ -364,6 +405,7 @@ def main(argv=None):
             continue
         q, kv, out, go, lse, sink, idx, sm, tl, rows = (t.q, t.kv, t.out, t.go, t.lse, t.sink, t.idx, t.sm, t.tl,
                                                         t.rows)
+        t.onorm, t.vnorm = norms(t)
         B, S, H, Dqk = q.shape
         L, Skv = t.L, t.Skv
         t_today = WIDE.time_ms(lambda: backward.sparse_mqa_backward(q, kv, out, go, lse, sink, idx, sm), a.iters)
@@ -384,7 +426,7 @@ def main(argv=None):
             dq = torch.empty_like(q)
             Pg = torch.empty(B, S, H, L, dtype=torch.bfloat16, device="cuda")
             dSg = torch.empty_like(Pg)
-            ka(q, kv, go, idx, tl, lse2, delta, qmax, omax, rows, ex, dq, Pg, dSg, row_bound, sm)
+            ka(q, kv, go, idx, tl, lse2, delta, qmax, omax, rows, ex, dq, Pg, dSg, row_bound, t.onorm, t.vnorm, sm)
             ev[2].record()
             scale, inv = row_scales(row_bound, ex)
             ev[3].record()
@@ -406,6 +448,47 @@ def main(argv=None):
               f"{WIDE.dkv_error(dkv.double(), exact)} (today's bf16: {WIDE.dkv_error(dkv_today.double(), exact)}); "
               f"elements differing from today's bf16 {int((dkv != dkv_today).sum())} of {dkv.numel()}; "
               f"largest row bound {float((row_bound.double() / ex.double()).max()):.3e}", flush=True)
+
+
+def norms(t):
+    """bound1's inputs: |dO_h| per query and head, |V_j| per KV row (2-norms, float32)."""
+    return t.go.float().norm(dim=-1).contiguous(), t.kv[..., :512].float().norm(dim=-1).contiguous()
+
+
+def bound_only(kbs, t, name, a):
+    """The bound-only kernel A modes timed alone on today's prep outputs (plus the torch pieces they need), and how
+    far each row's bound B_j sits above that row's largest exact |dkv| entry (log2; the bits a per-row int32 scale
+    gives away), against today's exact dkv."""
+    B, S, H, _ = t.q.shape
+    from sparse_mqa_kernels import backward
+    prep_ms = WIDE.time_ms(lambda: backward._prep(t.q, t.kv, t.out, t.go, t.lse, t.sink, t.idx, t.tl, t.sm, 512),
+                           a.iters)
+
+    def extras():
+        return (t.q.abs().amax(-1).float(), t.go.abs().amax(-1).float(), *norms(t))
+    extras_ms = WIDE.time_ms(extras, a.iters)
+    qmax, omax, t.onorm, t.vnorm = extras()
+    ex = t.fx / 4
+    rmax = t.exact.abs().amax(-1)
+    named = rmax > 0
+    print(f"{name}: today's prep {prep_ms:.3f} ms; max|q|, max|dO|, |dO_h|, |V_j| in torch {extras_ms:.3f} ms",
+          flush=True)
+    # (kernel A's dq, P and dS arguments: bound-only modes leave them unwritten)
+    dq, unused = torch.empty_like(t.q), torch.empty(B, S, H, t.L, dtype=torch.bfloat16, device="cuda")
+    for mode, k in kbs.items():
+        row_bound = torch.zeros(B, t.Skv, dtype=torch.int64, device="cuda")
+
+        def call():
+            k(t.q, t.kv, t.go, t.idx, t.tl, t.lse2, t.delta, qmax, omax, t.rows, ex, dq, unused, unused, row_bound,
+              t.onorm, t.vnorm, t.sm)
+        ms = WIDE.time_ms(call, a.iters)
+        row_bound.zero_()
+        call()
+        bj = row_bound.double() / ex.double()
+        gap = torch.log2(bj[named] / rmax[named])
+        q = torch.quantile(gap.float(), torch.tensor([0.5, 0.99], device="cuda"))
+        print(f"  {mode}: {ms:.3f} ms; log2(B_j / max|dkv_j|) min {gap.min().item():.2f} median {q[0].item():.2f} "
+              f"p99 {q[1].item():.2f} max {gap.max().item():.2f} over {int(named.sum())} named rows", flush=True)
 
 
 def b_only(kb, t, name, a):
