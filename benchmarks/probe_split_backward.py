@@ -4,6 +4,9 @@ and (``--bound``) kernel A reduced to the per-row bound alone, design (a)'s prep
     PYTHONUNBUFFERED=1 python benchmarks/probe_split_backward.py [anchor l512 h128] [--bi 32] [--b-only | --bound]
     python benchmarks/probe_split_backward.py [--bound]   # no GPU: compile the kernels for sm_90a only
 
+Run on the H200 (BENCHMARKS.md, 2026-12-01 17:53 UTC): correct, and slower than today's call (kernel B waits on its
+sends), so design (b) is dropped; kept for that record and for ``--bound``.
+
 Kernel A (``build_a``): one block = one query x 64 heads, 256 threads, two warpgroups, 64-slot blocks, the compute
 path of ``probe_wide_backward.py``'s 64/none without dkv: WG0 gathers the KV rows, computes S, dP, P and dS and
 dq[:, :256]; WG1 computes dq[:, 256:], writes P and dS (bf16, the values the products use) to global memory, and

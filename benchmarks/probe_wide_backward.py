@@ -14,16 +14,16 @@ holds an int32 staging buffer. A variant ``BI/mode``:
 - ``stage``: and each chunk rounded to int32 with its KV row's scale (held in registers) into shared memory;
 - ``bulk``: and sent with ``cp.reduce.async.bulk .add.u32``, one 256-byte op per slot and chunk;
 - ``line``: and sent with ``red.global.add.u32``, 32 lanes on one row's 128 bytes, by WG1 after each chunk;
-- ``line2``: as ``line``, unrolled and without a memory clobber on the red;
-- ``line3``: as ``line2``, chunk c + 1's products in flight (async wgmma, two accumulators) while c is sent;
-- ``line4``: as ``line3``, each warp's rows sent by one helper (``smqa_send_rows``): its loads first, then its reds;
-- ``line5``: a third warpgroup sends (384 threads, registers moved with setmaxnreg: NREG_MMA / NREG_SEND): WG1 stages
-  each chunk (the row in the padding column) and WG2 reads it, frees it (mbarrier) and sends it;
-- ``line6``: as ``line5``, the sender's row pointers formed once a block (``smqa_send_block``): a chunk costs its
-  loads and reds;
-- ``line7``: as ``line6``, the row column written once a block, and the rows' scales loaded with the rows;
-- ``line8``: as ``line7``, the staging in an opaque helper (no barrier or proxy fence before the next gemm);
-- ``line9``: as ``line7``, dq split 288 / 288 so that WG1 holds two dkv^T chunks, the next in flight.
+- ``batched``: as ``line``, chunk c + 1's products in flight (async wgmma, two accumulators) while c is sent, and
+  each warp's rows sent by one helper (``smqa_send_rows``): its loads first, then its reds;
+- ``sender``: a third warpgroup sends (384 threads, registers moved with setmaxnreg: NREG_MMA / NREG_SEND). WG1
+  stages each chunk (each slot's KV row in the padding column, once a block); WG2 forms its rows' pointers once a
+  block, and per chunk loads its lines, frees the stage (mbarrier) and sends them (``smqa_send_block``). WG0 loads
+  the rows' scales with the rows.
+
+Send paths measured and dropped (BENCHMARKS.md, 2026-12-01 17:59-18:31 UTC, at commit 2f9abda): an unrolled ``line``
+without the memory clobber, a sender that forms row pointers every chunk, staging in an opaque helper, a 288 / 288 dq
+split with two chunks in flight.
 
 Today's kernel (``sparse_mqa_kernels.backward``, int64 with one F a call) runs beside it on the same inputs. dq is
 compared bit for bit with today's; a sending variant's dkv is compared with today's exact one, with per-row scales
@@ -58,9 +58,6 @@ __device__ __forceinline__ void smqa_bulk_wait_all() {
 __device__ __forceinline__ void smqa_red_u32(void* p, int v) {
   asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
-__device__ __forceinline__ void smqa_red_u32_nc(void* p, int v) {  // no memory clobber: loads may run ahead
-  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v));
-}
 // one warp sends N staged rows (row i at stage + i * W) of a 64-column chunk, two 128-byte lines each, to the
 // accumulator rows rows[i] (acc: row 0 at the chunk's first column; a negative row is skipped): loads first
 template <int N, int W, int D>
@@ -81,30 +78,6 @@ __device__ __forceinline__ void smqa_send_rows(const int* stage, const int* rows
     }
   }
 }
-// line5's sender: as smqa_send_rows, the row of each staged row in its column RC; with FREE, the warp frees the
-// stage (an mbarrier arrival) once its loads are done, and sends afterwards
-template <int N, int W, int D, int RC, bool FREE>
-__device__ __forceinline__ void smqa_send_staged(const int* stage, int* acc, int lane, void* bar_read) {
-  int r[N], v0[N], v1[N];
-  #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    r[i] = stage[i * W + RC];
-    v0[i] = stage[i * W + lane];
-    v1[i] = stage[i * W + 32 + lane];
-  }
-  if (FREE) {
-    unsigned int b = static_cast<unsigned int>(__cvta_generic_to_shared(bar_read));
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(b) : "memory");
-  }
-  #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    int* p = acc + static_cast<long long>(r[i] < 0 ? 0 : r[i]) * D + lane;
-    if (r[i] >= 0) {
-      asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v0[i]));
-      asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(p + 32), "r"(v1[i]));
-    }
-  }
-}
 __device__ __forceinline__ void smqa_mbar_wait(void* bar, int parity) {
   unsigned int b = static_cast<unsigned int>(__cvta_generic_to_shared(bar));
   asm volatile("{\n\t.reg .pred P1;\n\tLAB_WAIT:\n\t"
@@ -115,7 +88,7 @@ __device__ __forceinline__ void smqa_mbar_arrive(void* bar) {
   unsigned int b = static_cast<unsigned int>(__cvta_generic_to_shared(bar));
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(b) : "memory");
 }
-// line6's sender, one call a top-k block: this warp's N staged rows (row i at stage + i * W, its KV row in column
+// the sender warpgroup, one call a top-k block: this warp's N staged rows (row i at stage + i * W, its KV row in column
 // RC) for each of the block's NCH chunks of C columns. Row pointers are formed once a block, so a chunk costs its
 // loads and reds (two 128-byte lines a row, at immediate offsets); the stage is freed once a chunk's loads are done.
 // k0 is the block's first chunk number (mbarrier parities).
@@ -150,30 +123,6 @@ __device__ __forceinline__ void smqa_send_block(const int* stage, int* acc, int 
       }
     }
   }
-}
-// line8: a [64 columns x BI slots] dkv^T wgmma accumulator (its thread layout) rounded with each slot's scale (from
-// shared memory, the thread's BI / 4 slots) into the stage rows, thread t of the warpgroup; opaque to TileLang, so it
-// adds no barrier or proxy fence before the next gemm
-template <int BI, int W>
-__device__ __forceinline__ void smqa_stage_kvt(const float* acc, const void* scale_, void* stage_, int t) {
-  const float* scale = static_cast<const float*>(scale_);
-  int* stage = static_cast<int*>(stage_);
-  float sc[BI / 4];
-  #pragma unroll
-  for (int k = 0; k < BI / 8; ++k) {
-    float2 v = *reinterpret_cast<const float2*>(scale + k * 8 + (t & 3) * 2);
-    sc[2 * k] = v.x;
-    sc[2 * k + 1] = v.y;
-  }
-  #pragma unroll
-  for (int i = 0; i < BI / 2; ++i) {
-    int j = (i >> 2) * 8 + (t & 3) * 2 + (i & 1);
-    int d = (t >> 5) * 16 + ((i & 3) >> 1) * 8 + ((t & 31) >> 2);
-    stage[j * W + d] = __float2int_rn(acc[i] * sc[(i >> 2) * 2 + (i & 1)]);
-  }
-}
-__device__ __forceinline__ void smqa_stage_row(void* stage, int t, int bi, int w, int rc, int row) {
-  if (t < bi) static_cast<int*>(stage)[t * w + rc] = row;
 }
 __device__ __forceinline__ void smqa_red_u64(void* p, long long v) {
   asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
@@ -219,8 +168,6 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     import tilelang.language as T
 
     reds = "none_t" if (mode == "none" and BI < 64) else mode
-    if mode == "line9":
-        n0 = 288  # dq split 288 / 288: WG1's registers hold two dkv^T chunks
     if BI not in (32, 48, 64) or mode not in MODES:
         raise ValueError(f"variant {BI}/{mode}: BI is 32, 48 or 64 and mode one of {', '.join(MODES)}")
     if BI == 64 and mode != "none":
@@ -233,7 +180,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     ROWS_PER_PASS = 16
     PASSES = BI // ROWS_PER_PASS
     CHUNKS = dqk // 64
-    threads = 384 if mode in ("line5", "line6", "line7", "line8", "line9") else 256
+    threads = 384 if mode == "sender" else 256
     load_query, zero_rows = query_tiles(T, dqk, dv, HG, threads)
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
@@ -271,7 +218,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                 acc_kv = T.alloc_fragment([BI, C], f32)
             else:
                 acc_kvt = T.alloc_fragment([C, BI], f32)  # dkv^T chunk: M = columns (BI < 64 slots)
-                acc_kvt2 = T.alloc_fragment([C, BI], f32)  # line3: the next chunk's, in flight meanwhile
+                acc_kvt2 = T.alloc_fragment([C, BI], f32)  # batched: the next chunk's, in flight meanwhile
                 scale_f = T.alloc_fragment([BI], f32)  # this block's row scales, in registers
                 stage = T.alloc_shared([1, BI, W], i32)
                 scale_shared = T.alloc_shared([BI], f32)
@@ -281,14 +228,14 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
             lse_f = T.alloc_fragment([HG], f32)
             delta_f = T.alloc_fragment([HG], f32)
             idx_r = T.alloc_local([PASSES], i32)
-            sc_r = T.alloc_local([PASSES], f32)  # line7: the rows' scales, loaded with the rows
+            sc_r = T.alloc_local([PASSES], f32)  # sender: the rows' scales, loaded with the rows
             ok = T.alloc_var("bool")
             bar_k_ready = T.alloc_barrier(arrive_count=256)  # 128 cp.async + 128 plain arrivals (WG0)
             bar_k_free = T.alloc_barrier(arrive_count=256)  # both warpgroups done reading KV_shared
             bar_p = T.alloc_barrier(arrive_count=128)  # WG0: P and dS in shared memory
             bar_pds_free = T.alloc_barrier(arrive_count=128)  # WG1: done reading P and dS
-            bar_staged = T.alloc_barrier(arrive_count=128)  # line5, line6: WG1 has staged a chunk
-            bar_read = T.alloc_barrier(arrive_count=128)  # line5, line6: WG2 has read it
+            bar_staged = T.alloc_barrier(arrive_count=128)  # sender: WG1 has staged a chunk
+            bar_read = T.alloc_barrier(arrive_count=128)  # sender: WG2 has read it
 
             tx = T.get_thread_binding()
             b_i, s_i, h0 = by, Rows[bx], bz * HG
@@ -301,7 +248,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
             T.sync_threads()
 
             if tx < 128:
-                if reds in ("line5", "line6", "line7", "line8", "line9"):
+                if reds == "sender":
                     T.set_max_nreg(NREG_MMA, 1)
                 for h in T.Parallel(HG):
                     lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, h0 + h], T.infinity(f32))
@@ -313,7 +260,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                         idx_r[r] = -1
                         if kb * BI + r * ROWS_PER_PASS + p // 8 < n_valid:
                             idx_r[r] = Indices[b_i, s_i, kb * BI + r * ROWS_PER_PASS + p // 8]
-                        if reds in ("line7", "line8", "line9"):
+                        if reds == "sender":
                             sc_r[r] = RowScale[b_i, T.min(T.max(idx_r[r], 0), seq_kv - 1)]
                     if kb > 0:
                         T.barrier_wait(bar_k_free, (kb - 1) & 1)
@@ -322,7 +269,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                         ok = T.And(kb * BI + row < n_valid, T.And(idx_r[r] >= 0, idx_r[r] < seq_kv))
                         if p % 8 == 0:
                             idx_shared[row] = T.if_then_else(ok, idx_r[r], -1)
-                            if reds in ("line7", "line8", "line9"):
+                            if reds == "sender":
                                 scale_shared[row] = T.if_then_else(ok, sc_r[r], 0.0)
                             elif reds != "none":
                                 scale_shared[row] = T.if_then_else(ok, RowScale[b_i, idx_r[r]], 0.0)
@@ -355,7 +302,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                     if h0 + h < heads:
                         dQ[b_i, s_i, h0 + h, d] = T.cast(acc_dq0[h, d], bf16)
             elif tx < 256:
-                if reds in ("line5", "line6", "line7", "line8", "line9"):
+                if reds == "sender":
                     T.set_max_nreg(NREG_MMA, 1)
                 T.clear(acc_dq1)
                 for kb in T.serial(n_blk):
@@ -371,43 +318,8 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                             for j in T.Parallel(BI):
                                 scale_f[j] = scale_shared[j]
                     T.barrier_arrive(bar_k_free)
-                    if reds == "line9":
-                        # as line7, chunk c + 1's products in flight while chunk c is staged
-                        T.wgmma_gemm(Q_shared[:, 0:C], dS_shared, acc_kvt, transpose_A=True, clear_accum=True)
-                        T.wgmma_gemm(dO_shared[:, 0:C], P_shared, acc_kvt, transpose_A=True)
-                        for c in CHS:
-                            if c + 1 < NCH:
-                                if c % 2 == 0:
-                                    T.wgmma_gemm(Q_shared[:, (c + 1) * C:(c + 2) * C], dS_shared, acc_kvt2,
-                                                 transpose_A=True, clear_accum=True)
-                                    if (c + 1) * C < D:
-                                        T.wgmma_gemm(dO_shared[:, (c + 1) * C:(c + 2) * C], P_shared, acc_kvt2,
-                                                     transpose_A=True)
-                                else:
-                                    T.wgmma_gemm(Q_shared[:, (c + 1) * C:(c + 2) * C], dS_shared, acc_kvt,
-                                                 transpose_A=True, clear_accum=True)
-                                    if (c + 1) * C < D:
-                                        T.wgmma_gemm(dO_shared[:, (c + 1) * C:(c + 2) * C], P_shared, acc_kvt,
-                                                     transpose_A=True)
-                                T.wait_wgmma(2 if (c + 1) * C < D else 1)
-                            else:
-                                T.wait_wgmma(0)
-                            if c > 0:
-                                T.barrier_wait(bar_read, (kb + c + 1) & 1)
-                            else:
-                                if kb > 0:
-                                    T.barrier_wait(bar_read, (kb + c + 1) & 1)
-                            if c % 2 == 0:
-                                for d, j in T.Parallel(C, BI):
-                                    stage[0, j, d] = T.cast(T.round(acc_kvt[d, j] * scale_f[j]), i32)
-                            else:
-                                for d, j in T.Parallel(C, BI):
-                                    stage[0, j, d] = T.cast(T.round(acc_kvt2[d, j] * scale_f[j]), i32)
-                            if T.And(tx - 128 < BI, c == 0):
-                                stage[0, tx - 128, C] = row_j
-                            T.barrier_arrive(bar_staged)
-                    if reds in ("line5", "line6", "line7", "line8"):
-                        # WG1 computes and stages each chunk (its row in the padding column); WG2 sends it
+                    if reds == "sender":
+                        # WG1 computes and stages each chunk (each slot's row in the padding column); WG2 sends it
                         for c in CHS:
                             T.gemm(Q_shared[:, c * C:(c + 1) * C], dS_shared, acc_kvt, transpose_A=True,
                                    clear_accum=True)
@@ -418,18 +330,12 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                             else:
                                 if kb > 0:
                                     T.barrier_wait(bar_read, (kb + c + 1) & 1)
-                            if reds == "line8":
-                                T.call_extern("handle", f"smqa_stage_kvt<{BI}, {W}>", acc_kvt.data,
-                                              scale1_shared.data, stage.data, tx - 128)
-                                if c == 0:
-                                    T.call_extern("handle", "smqa_stage_row", stage.data, tx - 128, BI, W, C, row_j)
-                            else:
-                                for d, j in T.Parallel(C, BI):
-                                    stage[0, j, d] = T.cast(T.round(acc_kvt[d, j] * scale_f[j]), i32)
-                                if T.And(tx - 128 < BI, T.Or(c == 0, reds != "line7")):
-                                    stage[0, tx - 128, C] = row_j  # (line7: once a block, the sender reads it then)
+                            for d, j in T.Parallel(C, BI):
+                                stage[0, j, d] = T.cast(T.round(acc_kvt[d, j] * scale_f[j]), i32)
+                            if T.And(tx - 128 < BI, c == 0):
+                                stage[0, tx - 128, C] = row_j  # once a block: the sender reads it at chunk 0
                             T.barrier_arrive(bar_staged)
-                    if reds in ("line3", "line4"):
+                    if reds == "batched":
                         # chunk c + 1's products run on the tensor cores while chunk c is staged and sent
                         T.wgmma_gemm(Q_shared[:, 0:C], dS_shared, acc_kvt, transpose_A=True, clear_accum=True)
                         T.wgmma_gemm(dO_shared[:, 0:C], P_shared, acc_kvt, transpose_A=True)
@@ -458,21 +364,12 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                                 for d, j in T.Parallel(C, BI):
                                     stage[0, j, d] = T.cast(T.round(acc_kvt2[d, j] * scale_f[j]), i32)
                             T.sync_threads(14, 128)
-                            if reds == "line4":
-                                # warp w sends rows [RW w, RW (w + 1)): all loads first, then the reds
-                                T.call_extern("handle", f"smqa_send_rows<{BI // 4}, {W}, {dqk}>",
-                                              T.address_of(stage[0, (tx - 128) // 32 * (BI // 4), 0]),
-                                              T.address_of(idx1_shared[(tx - 128) // 32 * (BI // 4)]),
-                                              T.address_of(Acc[b_i, 0, c * C]), tx % 32)
-                            else:
-                                for r4 in T.unroll(BI // 4):
-                                    rr = r4 * 4 + (tx - 128) // 32
-                                    if idx1_shared[rr] >= 0:
-                                        for k2 in T.unroll(C // 32):
-                                            T.call_extern("handle", "smqa_red_u32_nc", T.address_of(
-                                                Acc[b_i, idx1_shared[rr], c * C + k2 * 32 + tx % 32]),
-                                                stage[0, rr, k2 * 32 + tx % 32])
-                    for c in T.unroll(0 if reds in ("line3", "line4", "line5", "line6", "line7", "line8", "line9") else NCH):
+                            # warp w sends rows [RW w, RW (w + 1)): all loads first, then the reds
+                            T.call_extern("handle", f"smqa_send_rows<{BI // 4}, {W}, {dqk}>",
+                                          T.address_of(stage[0, (tx - 128) // 32 * (BI // 4), 0]),
+                                          T.address_of(idx1_shared[(tx - 128) // 32 * (BI // 4)]),
+                                          T.address_of(Acc[b_i, 0, c * C]), tx % 32)
+                    for c in T.unroll(0 if reds in ("batched", "sender") else NCH):
                         if reds == "none":
                             if c * C < D:
                                 T.gemm(P_shared, dO_shared[:, c * C:(c + 1) * C], acc_kv, transpose_A=True,
@@ -497,7 +394,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                         if reds == "stage":  # timing only: the stores, without the barriers a send needs
                             for d, j in T.Parallel(C, BI):
                                 stage[0, j, d] = T.cast(T.round(acc_kvt[d, j] * scale_f[j]), i32)
-                        if reds in ("bulk", "line", "line2"):
+                        if reds in ("bulk", "line"):
                             # the previous chunk's rows have been read (by the bulk engine, or by this warpgroup)
                             if T.And(tx - 128 < BI, reds == "bulk"):
                                 T.call_extern("handle", "smqa_bulk_wait_read0")
@@ -507,15 +404,6 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                             if reds == "bulk":
                                 T.fence_proxy_async()
                             T.sync_threads(14, 128)
-                            if reds == "line2":
-                                # as line, unrolled and without a memory clobber: the loads can run ahead
-                                for r4 in T.unroll(BI // 4):
-                                    rr = r4 * 4 + (tx - 128) // 32
-                                    if idx1_shared[rr] >= 0:
-                                        for k2 in T.unroll(C // 32):
-                                            T.call_extern("handle", "smqa_red_u32_nc", T.address_of(
-                                                Acc[b_i, idx1_shared[rr], c * C + k2 * 32 + tx % 32]),
-                                                stage[0, rr, k2 * 32 + tx % 32])
                             if reds == "line":
                                 # whole 128-byte lines: warp w sends rows w, w + 4, ...; lane l columns l and 32 + l
                                 for r4 in T.serial(BI // 4):
@@ -538,37 +426,22 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                     if tx - 128 < BI:
                         T.call_extern("handle", "smqa_bulk_wait_all")
             else:
-                if reds in ("line6", "line7", "line8", "line9"):
+                if reds == "sender":
                     T.set_max_nreg(NREG_SEND, 0)
                     for kb in T.serial(n_blk):
                         T.call_extern("handle", f"smqa_send_block<{BI // 4}, {W}, {dqk}, {C}, {NCH}, {C}>",
                                       T.address_of(stage[0, (tx - 256) // 32 * (BI // 4), 0]),
                                       T.address_of(Acc[b_i, 0, 0]), tx % 32, T.address_of(bar_staged[0]),
                                       T.address_of(bar_read[0]), kb * NCH)
-                if reds == "line5":
-                    # WG2 (line5 only): reads each staged chunk, frees it, then sends its lines
-                    T.set_max_nreg(NREG_SEND, 0)
-                    for kb in T.serial(n_blk):
-                        for c in CHS:
-                            T.barrier_wait(bar_staged, (kb + c) & 1)
-                            # a warp's BI / 4 rows in two halves (registers: NREG_SEND), the stage freed after both
-                            for half in (0, 1):
-                                T.call_extern("handle", f"smqa_send_staged<{BI // 8}, {W}, {dqk}, {C}, {half}>",
-                                              T.address_of(stage[0, (tx - 256) // 32 * (BI // 4) + half * (BI // 8),
-                                                                 0]),
-                                              T.address_of(Acc[b_i, 0, c * C]), tx % 32,
-                                              T.address_of(bar_read[0]))
-
     return wide_bwd
 
 
-MODES = ("none", "stage", "bulk", "line", "line2", "line3", "line4", "line5", "line6", "line7", "line8", "line9")
-# line5's registers per thread (setmaxnreg): the launch gives each thread 168 (65536 / 384, rounded down to 8) and an
+MODES = ("none", "stage", "bulk", "line", "batched", "sender")
+# sender's registers per thread (setmaxnreg): the launch gives each thread 168 (65536 / 384, rounded down to 8) and an
 # increase only takes what a decrease gave back, so 2 x NREG_MMA + NREG_SEND must stay within 3 x 168
 NREG_MMA, NREG_SEND = 224, 56
 assert 2 * NREG_MMA + NREG_SEND <= 3 * 168
-VARIANTS = ("64/none", "48/none", "48/stage", "48/bulk", "48/line", "32/bulk", "48/line2", "48/line3", "48/line4",
-            "48/line5", "48/line6", "48/line7", "48/line8", "48/line9")
+VARIANTS = ("64/none", "48/none", "48/stage", "48/bulk", "48/line", "32/bulk", "48/batched", "48/sender")
 
 
 def compiled(variant: str):
@@ -653,7 +526,7 @@ def main(argv=None):
                 k(t.q, t.kv, t.go, t.idx, t.tl, t.lse2, t.delta, t.rows, dq, keep, row_scale, acc32, t.sm)
             ms = time_ms(call, a.iters)
             extra = ""
-            if "/line" in v or v.endswith("bulk"):
+            if v.split("/")[1] in ("bulk", "line", "batched", "sender"):
                 acc32.zero_()
                 call()
                 extra = f"; dkv against today's exact sum: {dkv_error(acc32.double() / divisor[..., None], t.exact)}"

@@ -193,7 +193,8 @@ def test_reduction_benchmark_compiles_and_pads_to_its_occupancy():
 def test_wide_probe_compiles_in_cudnns_shape():
     """``benchmarks/probe_wide_backward.py`` (issue 26's probe): each variant compiles for sm_90a with two 128-thread
     warpgroups and S / dP as 64 x BI wgmma tiles; 64-slot blocks fill shared memory with Q, dO, the KV block, P and
-    dS only (cuDNN's tiles); a sending variant sends only with its own operation, and none uses a float atomic."""
+    dS only (cuDNN's tiles); a sending variant sends only with its own operation, and none uses a float atomic; the
+    sender variant's third warpgroup takes registers from the launch's budget only."""
     import importlib.util
     import pathlib
 
@@ -203,22 +204,31 @@ def test_wide_probe_compiles_in_cudnns_shape():
     spec.loader.exec_module(mod)
     with pytest.raises(ValueError, match="no shared memory for staging"):
         mod.build_program(64, "bulk")
-    for variant, sends in (("64/none", set()), ("48/bulk", {"smqa_bulk_add_u32"}), ("48/line", {"smqa_red_u32"})):
+    for variant, sends in (("64/none", set()), ("48/bulk", {"smqa_bulk_add_u32"}), ("48/line", {"smqa_red_u32"}),
+                           ("48/sender", {"smqa_send_block"})):
         src = mod.compiled(variant).get_kernel_source()
         body = src[src.index('extern "C" __global__'):]
         bi = variant.split("/")[0]
-        assert "__launch_bounds__(256, 1)" in body
         shapes = set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", body))
         assert ("64", bi) in shapes, (variant, shapes)
-        assert set(re.findall(r"(smqa_\w+_u32)\(", body)) == sends, variant
+        assert set(re.findall(r"(smqa_\w+_u32|smqa_send_\w+)[(<]", body)) == sends, variant
         assert "atomicAdd" not in body and "AtomicAdd" not in body
+        if variant.endswith("sender"):
+            # a third warpgroup sends; registers move to the two MMA warpgroups within the launch's 3 x 168
+            assert "__launch_bounds__(384, 1)" in body
+            alloc = re.findall(r"warpgroup_reg_alloc<(\d+)>", body)
+            dealloc = re.findall(r"warpgroup_reg_dealloc<(\d+)>", body)
+            assert alloc == [str(mod.NREG_MMA)] * 2 and dealloc == [str(mod.NREG_SEND)], (alloc, dealloc)
+            assert 2 * mod.NREG_MMA + mod.NREG_SEND <= 3 * (65536 // 384 // 8 * 8)
+        else:
+            assert "__launch_bounds__(256, 1)" in body
 
 
 def test_split_probe_compiles_its_two_kernels():
     """``benchmarks/probe_split_backward.py`` (issue 26's split design): both kernels compile for sm_90a; kernel A runs
     S and dP as 64 x 64 wgmma tiles and adds its row bounds only with red.add.u64 (integers: order-free); kernel B
     computes dkv^T as 64 x 32 chunks and sends dkv only as .add.u32 bulk rows, one per warpgroup and slot; neither
-    uses a float atomic."""
+    uses a float atomic. The bound-only modes write neither dq nor P nor dS, and bound1 has no dP product."""
     import importlib.util
     import pathlib
 
@@ -237,3 +247,10 @@ def test_split_probe_compiles_its_two_kernels():
     assert set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", bodies["b"])) == {("64", "32")}
     assert set(re.findall(r"(smqa_bulk_add_\w+)\(", bodies["b"])) == {"smqa_bulk_add_u32"}
     assert len(re.findall(r"smqa_bulk_add_u32\(", bodies["b"])) == 2
+    # --bound: kernel A reduced to the row bounds (design (a)'s prep pass): no dq, P or dS written; bound1 runs S only
+    for mode, n_products in (("bound2", 2), ("bound1", 1)):
+        src = mod.compiled(mode).get_kernel_source()
+        body = src[src.index('extern "C" __global__'):]
+        assert set(re.findall(r"(smqa_\w+)\(\(", body)) == {"smqa_red_u64"}, mode
+        assert not re.search(r"\b(dQ|Pout|dSout)\[", body), mode
+        assert len(set(re.findall(r"wgmma_ss<[^>]*>\([^;]*acc_(s|dp)\b", body))) == n_products, mode
