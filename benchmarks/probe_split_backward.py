@@ -1,5 +1,5 @@
 """Probe (issue 26, design (b) in BENCHMARKS): the deterministic backward split in two kernels, int32 per KV row;
-and (``--bound``) kernel A reduced to the per-row bound alone, design (a)'s prep pass.
+and (``--bound``) design (a)'s prep pass, the per-row bound alone: kernel A reduced to it, and a lean kernel.
 
     PYTHONUNBUFFERED=1 python benchmarks/probe_split_backward.py [anchor l512 h128] [--bi 32] [--b-only | --bound]
     python benchmarks/probe_split_backward.py [--bound]   # no GPU: compile the kernels for sm_90a only
@@ -346,12 +346,122 @@ def build_b(BI=32, dqk=576, dv=512):
     return split_dkv
 
 
+def build_lean(BI=64, dqk=576, dv=512):
+    """The bound pass alone, lean (``--bound``'s ``lean``): bound1's bound, with S^T = K Q^T as [BI slots x 64 heads]
+    tiles (slots as wgmma's M, so a slot's sum over heads stays within a quad of lanes), P from it, and per slot
+    sum_h P (A_h |V_j| + B_h) with A_h = |scale| max|q_h| |dO_h| and B_h = |scale| max|q_h| |Delta_h| + max|dO_h| (bf16
+    P and dS included by a 2**-7 margin), added to its KV row as an int64 integer. Two warpgroups take alternate top-k
+    blocks, each with its own KV tile (cp.async); no dP, no P or dS in shared memory."""
+    import tilelang.language as T
+
+    HG = 64
+    ROWS = 128 // 8  # rows a gather pass: 8 threads a row, 16 bytes each
+    batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
+    bf16, f32, i32, i64 = T.bfloat16, T.float32, T.int32, T.int64
+    log2e = contract.LOG2E
+    load_query, _ = WIDE.query_tiles(T, dqk, dqk, HG)
+
+    @T.macro
+    def heads_init(lse_f, a_f, b_f, Lse2, QMax, OMax, ONorm, Delta, b_i, s_i, h0, heads, sm_scale):
+        for h in T.Parallel(HG):
+            hh = T.min(h0 + h, heads - 1)
+            lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, hh], T.infinity(f32))
+            a_f[h] = T.if_then_else(h0 + h < heads, T.abs(sm_scale) * QMax[b_i, s_i, hh] * ONorm[b_i, s_i, hh], 0.0)
+            b_f[h] = T.if_then_else(h0 + h < heads, T.abs(sm_scale) * QMax[b_i, s_i, hh] * T.abs(Delta[b_i, s_i, hh])
+                                    + OMax[b_i, s_i, hh], 0.0)
+
+    @T.macro
+    def block(Q_shared, KVt, idx_s, vn_s, bs_s, acc, bsum, lse_f, a_f, b_f, KV, Indices, VNorm, RowBound, b_i, s_i,
+              kb, n_valid, seq_kv, t, w, c2, ex):
+        T.sync_threads(14 + w, 128)  # this warpgroup is done with its previous block's tile and rows
+        for r in T.unroll(BI // ROWS):
+            row = r * ROWS + t // 8
+            j0 = T.if_then_else(kb * BI + row < n_valid, Indices[b_i, s_i, T.min(kb * BI + row, n_valid - 1)], -1)
+            j = T.if_then_else(T.And(j0 >= 0, j0 < seq_kv), j0, -1)
+            if t % 8 == 0:
+                idx_s[w, row] = j
+                vn_s[w, row] = T.if_then_else(j >= 0, VNorm[b_i, T.max(j, 0)], 0.0)
+            if j >= 0:
+                for u in T.serial(dqk // 64):
+                    T.ptx_cp_async(T.access_ptr(KVt[row, 64 * u + (t % 8) * 8], "w", 8),
+                                   T.access_ptr(KV[b_i, j, 64 * u + (t % 8) * 8], "r", 8), 8)
+        T.ptx_commit_group()
+        T.ptx_wait_group(0)
+        T.fence_proxy_async()
+        T.sync_threads(14 + w, 128)
+        T.gemm(KVt, Q_shared, acc, transpose_B=True, clear_accum=True)
+        for j, h in T.Parallel(BI, HG):
+            acc[j, h] = T.if_then_else(idx_s[w, j] >= 0,
+                                       T.exp2(acc[j, h] * c2 - lse_f[h]) * (a_f[h] * vn_s[w, j] + b_f[h]), 0.0)
+        T.reduce_sum(acc, bsum, dim=1)
+        T.copy(bsum, bs_s[w, :])
+        T.sync_threads(14 + w, 128)
+        if t < BI:
+            if idx_s[w, t] >= 0:
+                T.call_extern("handle", "smqa_red_u64", T.address_of(RowBound[b_i, idx_s[w, t]]),
+                              T.cast(T.ceil(bs_s[w, t] * (1.0 + 2.0 ** -7) * ex), i64))
+
+    @T.prim_func
+    def lean_bound(
+        Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
+        KV: T.Tensor([batch, seq_kv, dqk], bf16),
+        Indices: T.Tensor([batch, seq_len, topk], i32),
+        TopkLen: T.Tensor([batch, seq_len], i32),
+        Lse2: T.Tensor([batch, seq_len, heads], f32),
+        Delta: T.Tensor([batch, seq_len, heads], f32),
+        QMax: T.Tensor([batch, seq_len, heads], f32),
+        OMax: T.Tensor([batch, seq_len, heads], f32),
+        ONorm: T.Tensor([batch, seq_len, heads], f32),
+        VNorm: T.Tensor([batch, seq_kv], f32),
+        Rows: T.Tensor([n_rows], i32),
+        Ex: T.Tensor([1], f32),
+        RowBound: T.Tensor([batch, seq_kv], i64),
+        sm_scale: f32,
+    ):
+        groups = T.ceildiv(heads, HG)
+        with T.Kernel(n_rows, batch, groups, threads=256, prelude=WIDE.PRELUDE) as (bx, by, bz):
+            Q_shared = T.alloc_shared([HG, dqk], bf16)
+            KV0 = T.alloc_shared([BI, dqk], bf16)
+            KV1 = T.alloc_shared([BI, dqk], bf16)
+            idx_s = T.alloc_shared([2, BI], i32)
+            vn_s = T.alloc_shared([2, BI], f32)
+            bs_s = T.alloc_shared([2, BI], f32)
+            # one set of fragments a warpgroup (a fragment's layout binds it to one warpgroup's threads)
+            acc0, acc1 = T.alloc_fragment([BI, HG], f32), T.alloc_fragment([BI, HG], f32)
+            bsum0, bsum1 = T.alloc_fragment([BI], f32), T.alloc_fragment([BI], f32)
+            lse0, lse1 = T.alloc_fragment([HG], f32), T.alloc_fragment([HG], f32)
+            a0, a1 = T.alloc_fragment([HG], f32), T.alloc_fragment([HG], f32)
+            b0, b1 = T.alloc_fragment([HG], f32), T.alloc_fragment([HG], f32)
+            tx = T.get_thread_binding()
+            b_i, s_i, h0 = by, Rows[bx], bz * HG
+            c2 = sm_scale * log2e
+            ex = Ex[0]
+            n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
+            n_blk = T.ceildiv(n_valid, BI)
+            load_query(Q, Q, Q_shared, Q_shared, b_i, s_i, h0, heads, tx)
+            T.fence_proxy_async()
+            T.sync_threads()
+            if tx < 128:
+                heads_init(lse0, a0, b0, Lse2, QMax, OMax, ONorm, Delta, b_i, s_i, h0, heads, sm_scale)
+                for i in T.serial(T.ceildiv(n_blk, 2)):
+                    block(Q_shared, KV0, idx_s, vn_s, bs_s, acc0, bsum0, lse0, a0, b0, KV, Indices, VNorm, RowBound,
+                          b_i, s_i, 2 * i, n_valid, seq_kv, tx, 0, c2, ex)
+            else:
+                heads_init(lse1, a1, b1, Lse2, QMax, OMax, ONorm, Delta, b_i, s_i, h0, heads, sm_scale)
+                for i in T.serial(n_blk // 2):
+                    block(Q_shared, KV1, idx_s, vn_s, bs_s, acc1, bsum1, lse1, a1, b1, KV, Indices, VNorm, RowBound,
+                          b_i, s_i, 2 * i + 1, n_valid, seq_kv, tx - 128, 1, c2, ex)
+
+    return lean_bound
+
+
 def compiled(which: str, bi: int = 32):
     """``which``: "a" (kernel A), "b" (kernel B at ``bi`` slots a block) or a bound-only kernel A mode."""
     import tilelang
 
     from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET
-    program = build_b(bi) if which == "b" else build_a("full" if which == "a" else which)
+    program = (build_b(bi) if which == "b" else build_lean() if which == "lean"
+               else build_a("full" if which == "a" else which))
     return tilelang.compile(program, out_idx=None, target=TARGET, execution_backend=EXECUTION_BACKEND)
 
 
@@ -385,11 +495,11 @@ def main(argv=None):
     p.add_argument("--bi", type=int, default=32, help="kernel B's slots per block")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--b-only", action="store_true", help="kernel B alone on random P and dS, against torch in float64")
-    p.add_argument("--bound", action="store_true", help="the bound-only kernels (bound2, bound1) alone, and their "
-                   "per-row bounds against today's exact dkv")
+    p.add_argument("--bound", action="store_true", help="the bound-only kernels (bound2, bound1, lean) alone, and "
+                   "their per-row bounds against today's exact dkv")
     a = p.parse_args(argv)
     if a.bound:
-        kbs = {m: compiled(m) for m in A_MODES[1:]}
+        kbs = {m: compiled(m) for m in (*A_MODES[1:], "lean")}
         if torch.cuda.is_available():
             for name in a.shapes:
                 bound_only(kbs, WIDE.today(name), name, a)
@@ -459,9 +569,9 @@ def norms(t):
 
 
 def bound_only(kbs, t, name, a):
-    """The bound-only kernel A modes timed alone on today's prep outputs (plus the torch pieces they need), and how
-    far each row's bound B_j sits above that row's largest exact |dkv| entry (log2; the bits a per-row int32 scale
-    gives away), against today's exact dkv."""
+    """The bound-only kernel A modes and the lean bound kernel, timed alone on today's prep outputs (plus the torch
+    pieces they need), and how far each row's bound B_j sits above that row's largest exact |dkv| entry (log2; the bits
+    a per-row int32 scale gives away), against today's exact dkv."""
     B, S, H, _ = t.q.shape
     from sparse_mqa_kernels import backward
     prep_ms = WIDE.time_ms(lambda: backward._prep(t.q, t.kv, t.out, t.go, t.lse, t.sink, t.idx, t.tl, t.sm, 512),
@@ -478,20 +588,28 @@ def bound_only(kbs, t, name, a):
           flush=True)
     # (kernel A's dq, P and dS arguments: bound-only modes leave them unwritten)
     dq, unused = torch.empty_like(t.q), torch.empty(B, S, H, t.L, dtype=torch.bfloat16, device="cuda")
+    bounds = {}
     for mode, k in kbs.items():
         row_bound = torch.zeros(B, t.Skv, dtype=torch.int64, device="cuda")
 
         def call():
-            k(t.q, t.kv, t.go, t.idx, t.tl, t.lse2, t.delta, qmax, omax, t.rows, ex, dq, unused, unused, row_bound,
-              t.onorm, t.vnorm, t.sm)
+            if mode == "lean":
+                k(t.q, t.kv, t.idx, t.tl, t.lse2, t.delta, qmax, omax, t.onorm, t.vnorm, t.rows, ex, row_bound, t.sm)
+            else:
+                k(t.q, t.kv, t.go, t.idx, t.tl, t.lse2, t.delta, qmax, omax, t.rows, ex, dq, unused, unused,
+                  row_bound, t.onorm, t.vnorm, t.sm)
         ms = WIDE.time_ms(call, a.iters)
         row_bound.zero_()
         call()
-        bj = row_bound.double() / ex.double()
+        bj = bounds[mode] = row_bound.double() / ex.double()
         gap = torch.log2(bj[named] / rmax[named])
         q = torch.quantile(gap.float(), torch.tensor([0.5, 0.99], device="cuda"))
         print(f"  {mode}: {ms:.3f} ms; log2(B_j / max|dkv_j|) min {gap.min().item():.2f} median {q[0].item():.2f} "
               f"p99 {q[1].item():.2f} max {gap.max().item():.2f} over {int(named.sum())} named rows", flush=True)
+    if "lean" in bounds and "bound1" in bounds:
+        r = torch.log2(bounds["lean"][named] / bounds["bound1"][named])
+        print(f"  lean against bound1 (same bound, a 2**-7 margin): log2 ratio {r.min().item():.4f} .. "
+              f"{r.max().item():.4f}", flush=True)
 
 
 def b_only(kb, t, name, a):

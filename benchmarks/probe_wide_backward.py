@@ -93,7 +93,8 @@ __device__ __forceinline__ void smqa_mbar_arrive(void* bar) {
 // loads and reds (two 128-byte lines a row, at immediate offsets); the stage is freed once a chunk's loads are done.
 // k0 is the block's first chunk number (mbarrier parities).
 template <int N, int W, int D, int RC, int NCH, int C>
-__device__ __forceinline__ void smqa_send_block(const int* stage, int* acc, int lane, void* staged, void* read, int k0) {
+__device__ __forceinline__ void smqa_send_block(const int* stage, int* acc, int lane, void* staged, void* read,
+                                                int k0) {
   int* p[N];
   smqa_mbar_wait(staged, k0 & 1);
   #pragma unroll
