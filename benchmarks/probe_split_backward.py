@@ -346,7 +346,7 @@ def build_b(BI=32, dqk=576, dv=512):
     return split_dkv
 
 
-def build_lean(BI=64, dqk=576, dv=512):
+def build_lean(BI=64, dqk=576):
     """The bound pass alone, lean (``--bound``'s ``lean``): bound1's bound, with S^T = K Q^T as [BI slots x 64 heads]
     tiles (slots as wgmma's M, so a slot's sum over heads stays within a quad of lanes), P from it, and per slot
     sum_h P (A_h |V_j| + B_h) with A_h = |scale| max|q_h| |dO_h| and B_h = |scale| max|q_h| |Delta_h| + max|dO_h| (bf16
@@ -359,7 +359,7 @@ def build_lean(BI=64, dqk=576, dv=512):
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32, i64 = T.bfloat16, T.float32, T.int32, T.int64
     log2e = contract.LOG2E
-    load_query, _ = WIDE.query_tiles(T, dqk, dqk, HG)
+    load_query, _ = WIDE.query_tiles(T, dqk, 0, HG)  # q only
 
     @T.macro
     def heads_init(lse_f, a_f, b_f, Lse2, QMax, OMax, ONorm, Delta, b_i, s_i, h0, heads, sm_scale):
@@ -438,7 +438,7 @@ def build_lean(BI=64, dqk=576, dv=512):
             ex = Ex[0]
             n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
             n_blk = T.ceildiv(n_valid, BI)
-            load_query(Q, Q, Q_shared, Q_shared, b_i, s_i, h0, heads, tx)
+            load_query(Q, None, Q_shared, None, b_i, s_i, h0, heads, tx)
             T.fence_proxy_async()
             T.sync_threads()
             if tx < 128:
@@ -456,7 +456,7 @@ def build_lean(BI=64, dqk=576, dv=512):
 
 
 def compiled(which: str, bi: int = 32):
-    """``which``: "a" (kernel A), "b" (kernel B at ``bi`` slots a block) or a bound-only kernel A mode."""
+    """``which``: "a" (kernel A), "b" (kernel B at ``bi`` slots a block), a bound-only kernel A mode or "lean"."""
     import tilelang
 
     from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET

@@ -133,8 +133,8 @@ __device__ __forceinline__ void smqa_red_u64(void* p, long long v) {
 
 def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256):
     """Two T.macro pieces the probes' kernels share: ``load_query`` puts one query's q and dO rows of a head group
-    into shared memory, 16 bytes a thread, padded heads as zero; ``zero_rows`` zeroes a [rows x dqk] tile (a KV block
-    starts at zero, so a slot never gathered holds finite values)."""
+    into shared memory, 16 bytes a thread, padded heads as zero (q only when ``dv`` is 0); ``zero_rows`` zeroes a
+    [rows x dqk] tile (a KV block starts at zero, so a slot never gathered holds finite values)."""
     bf16 = T.bfloat16
     Q_CHUNKS, O_CHUNKS = HG * (dqk // 8), HG * (dv // 8)
 
@@ -147,13 +147,14 @@ def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256):
                     Q_shared[c // (dqk // 8), (c % (dqk // 8)) * 8 + v] = T.if_then_else(
                         h0 + c // (dqk // 8) < heads, Q[b_i, s_i, h0 + c // (dqk // 8), (c % (dqk // 8)) * 8 + v],
                         T.cast(0, bf16))
-        for i in T.serial(T.ceildiv(O_CHUNKS, threads)):
-            c = i * threads + tx
-            if c < O_CHUNKS:
-                for v in T.vectorized(8):
-                    dO_shared[c // (dv // 8), (c % (dv // 8)) * 8 + v] = T.if_then_else(
-                        h0 + c // (dv // 8) < heads, dO[b_i, s_i, h0 + c // (dv // 8), (c % (dv // 8)) * 8 + v],
-                        T.cast(0, bf16))
+        if dv > 0:
+            for i in T.serial(T.ceildiv(O_CHUNKS, threads)):
+                c = i * threads + tx
+                if c < O_CHUNKS:
+                    for v in T.vectorized(8):
+                        dO_shared[c // (dv // 8), (c % (dv // 8)) * 8 + v] = T.if_then_else(
+                            h0 + c // (dv // 8) < heads, dO[b_i, s_i, h0 + c // (dv // 8), (c % (dv // 8)) * 8 + v],
+                            T.cast(0, bf16))
 
     @T.macro
     def zero_rows(tile, rows, tx):
