@@ -48,28 +48,6 @@ RED_PATTERNS = ("frag-u32", "frag-u64", "frag-f32", "line-u32", "smem-u32", "tfr
 RED_TILE_COLS = 64  # smem-u32: columns per accumulator chunk (a [64 slots x 64 columns] wgmma tile)
 ESIZE = {"int64": 8, "float32": 4, "int32": 4}  # bytes per element
 SUFFIX = {"f32": "float32", "i32": "int32"}
-# the backward's prelude has the .add.u64 flavour only
-_PRELUDE_4B = "".join(r"""
-__device__ __forceinline__ void sparse_mqa_bulk_add_%s(void const* smem, void* gmem, int bytes) {
-  unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.%s [%%0], [%%1], %%2;"
-               :: "l"(gmem), "r"(s), "r"(bytes) : "memory");
-}
-""" % (t, t) for t in ("f32", "u32")) + r"""
-__device__ __forceinline__ void smqa_red_u32(void* p, int v) {
-  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void smqa_red_u64(void* p, long long v) {
-  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void smqa_red_f32(void* p, float v) {
-  asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;" :: "l"(p), "f"(v) : "memory");
-}
-__device__ __forceinline__ void smqa_red_v4_f32(void* p, float a, float b, float c, float d) {
-  asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};"
-               :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
-}
-"""
 SEND = {"int64": "sparse_mqa_bulk_add_u64", "float32": "sparse_mqa_bulk_add_f32", "int32": "sparse_mqa_bulk_add_u32"}
 
 
@@ -99,6 +77,7 @@ def build(rows, bufs, per_sm, width, dtype, n_sms):
     import tilelang.language as T
 
     from sparse_mqa_kernels.backward import PRELUDE, TARGET
+    from sparse_mqa_kernels.bench.ptx import PRELUDE_4B
 
     esize = ESIZE[dtype]
     wp = width + 16 // esize  # rows padded by 16 bytes, as the backward's staging rows are (bank spread)
@@ -111,7 +90,7 @@ def build(rows, bufs, per_sm, width, dtype, n_sms):
 
     @T.prim_func
     def bulk_reduce(Rows: T.Tensor([n_items], T.int32), Acc: T.Tensor([ACC_ROWS, width], dtype)):
-        with T.Kernel(grid, threads=THREADS, prelude=PRELUDE + _PRELUDE_4B) as bx:
+        with T.Kernel(grid, threads=THREADS, prelude=PRELUDE + PRELUDE_4B) as bx:
             # the tail past the ring only holds shared memory (a separate buffer would be merged away)
             stage = T.alloc_shared([bufs * rows * wp + pad], dtype)
             tx = T.get_thread_binding()
@@ -148,6 +127,7 @@ def build_red(layout: str, per_sm: int, width: int, dtype: str, n_sms: int):
     import tilelang.language as T
 
     from sparse_mqa_kernels.backward import PRELUDE, TARGET
+    from sparse_mqa_kernels.bench.ptx import PRELUDE_4B
 
     # smem-u32's per-warp tiles, rows padded by one word (spreads a warp's fragment stores over the banks)
     tile_words = 16 * (RED_TILE_COLS + 1)
@@ -165,7 +145,7 @@ def build_red(layout: str, per_sm: int, width: int, dtype: str, n_sms: int):
 
     @T.prim_func
     def red_reduce(Rows: T.Tensor([n_items], T.int32), Acc: T.Tensor([ACC_ROWS, width], dtype)):
-        with T.Kernel(grid, threads=THREADS, prelude=PRELUDE + _PRELUDE_4B) as bx:
+        with T.Kernel(grid, threads=THREADS, prelude=PRELUDE + PRELUDE_4B) as bx:
             hold = T.alloc_shared([pad], T.int32)
             tx = T.get_thread_binding()
             assert width % 32 == 0, dtype  # (dtype named here: TileLang resolves the annotations from the closure)

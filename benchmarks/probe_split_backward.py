@@ -305,7 +305,7 @@ def build_b(BI=32, dqk=576, dv=512):
                         if c == CH0[0]:
                             # the previous block's rows have been read by the bulk engine
                             if tx < BI:
-                                T.call_extern("handle", "smqa_bulk_wait_read0")
+                                T.call_extern("handle", "sparse_mqa_bulk_wait_read0")
                             T.sync_threads(14, 128)
                         for d, j in T.Parallel(C, BI):
                             stage[j, c * C + d] = T.cast(T.round(acc0[d, j] * scale0[j]), i32)
@@ -314,9 +314,9 @@ def build_b(BI=32, dqk=576, dv=512):
                     if tx < BI:
                         row_j = idx_shared[tx]
                         if row_j >= 0:
-                            T.call_extern("handle", "smqa_bulk_add_u32", T.address_of(stage[tx, 0]),
+                            T.call_extern("handle", "sparse_mqa_bulk_add_u32", T.address_of(stage[tx, 0]),
                                           T.address_of(Acc[b_i, row_j, 0]), C0 * 4)
-                        T.call_extern("handle", "smqa_bulk_commit")
+                        T.call_extern("handle", "sparse_mqa_bulk_commit")
                 else:
                     for j in T.Parallel(BI):
                         scale1[j] = scale_shared[j]
@@ -326,7 +326,7 @@ def build_b(BI=32, dqk=576, dv=512):
                             T.gemm(dO_shared[:, c * C:(c + 1) * C], P_shared, acc1, transpose_A=True)
                         if c == CH1[0]:
                             if tx - 128 < BI:
-                                T.call_extern("handle", "smqa_bulk_wait_read0")
+                                T.call_extern("handle", "sparse_mqa_bulk_wait_read0")
                             T.sync_threads(15, 128)
                         for d, j in T.Parallel(C, BI):
                             stage[j, c * C + d] = T.cast(T.round(acc1[d, j] * scale1[j]), i32)
@@ -335,13 +335,13 @@ def build_b(BI=32, dqk=576, dv=512):
                     if tx - 128 < BI:
                         row_j = idx_shared[tx - 128]
                         if row_j >= 0:
-                            T.call_extern("handle", "smqa_bulk_add_u32", T.address_of(stage[tx - 128, C0]),
+                            T.call_extern("handle", "sparse_mqa_bulk_add_u32", T.address_of(stage[tx - 128, C0]),
                                           T.address_of(Acc[b_i, row_j, C0]), (dqk - C0) * 4)
-                        T.call_extern("handle", "smqa_bulk_commit")
+                        T.call_extern("handle", "sparse_mqa_bulk_commit")
                 # both warpgroups are done with this block's P, dS, rows and scales
                 T.sync_threads()
             if tx % 128 < BI:
-                T.call_extern("handle", "smqa_bulk_wait_all")
+                T.call_extern("handle", "sparse_mqa_bulk_wait_all")
 
     return split_dkv
 

@@ -36,28 +36,15 @@ from types import SimpleNamespace
 
 import torch
 
+from sparse_mqa_kernels.backward import PRELUDE as _BACKWARD_PRELUDE
+from sparse_mqa_kernels.bench.ptx import PRELUDE_4B
 from sparse_mqa_testkit import contract
 
 C = 64  # dkv chunk columns
 
-PRELUDE = r"""
-__device__ __forceinline__ void smqa_bulk_add_u32(void const* smem, void* gmem, int bytes) {
-  unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u32 [%0], [%1], %2;"
-               :: "l"(gmem), "r"(s), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void smqa_bulk_commit() {
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-__device__ __forceinline__ void smqa_bulk_wait_read0() {
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-}
-__device__ __forceinline__ void smqa_bulk_wait_all() {
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-__device__ __forceinline__ void smqa_red_u32(void* p, int v) {
-  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
-}
+# the 4-byte reductions and bulk-group waits come from the backward's and the benchmarks' preludes; below, the
+# probes' own send helpers
+PRELUDE = _BACKWARD_PRELUDE + PRELUDE_4B + r"""
 // one warp sends N staged rows (row i at stage + i * W) of a 64-column chunk, two 128-byte lines each, to the
 // accumulator rows rows[i] (acc: row 0 at the chunk's first column; a negative row is skipped): loads first
 template <int N, int W, int D>
@@ -124,9 +111,6 @@ __device__ __forceinline__ void smqa_send_block(const int* stage, int* acc, int 
       }
     }
   }
-}
-__device__ __forceinline__ void smqa_red_u64(void* p, long long v) {
-  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }
 """
 
@@ -399,7 +383,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                         if reds in ("bulk", "line"):
                             # the previous chunk's rows have been read (by the bulk engine, or by this warpgroup)
                             if T.And(tx - 128 < BI, reds == "bulk"):
-                                T.call_extern("handle", "smqa_bulk_wait_read0")
+                                T.call_extern("handle", "sparse_mqa_bulk_wait_read0")
                             T.sync_threads(14, 128)
                             for d, j in T.Parallel(C, BI):
                                 stage[0, j, d] = T.cast(T.round(acc_kvt[d, j] * scale_f[j]), i32)
@@ -417,16 +401,17 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                                                 stage[0, rr, k2 * 32 + tx % 32])
                             elif tx - 128 < BI:
                                 if T.And(row_j >= 0, reds == "bulk"):
-                                    T.call_extern("handle", "smqa_bulk_add_u32", T.address_of(stage[0, tx - 128, 0]),
+                                    T.call_extern("handle", "sparse_mqa_bulk_add_u32",
+                                                  T.address_of(stage[0, tx - 128, 0]),
                                                   T.address_of(Acc[b_i, row_j, c * C]), C * 4)
-                                T.call_extern("handle", "smqa_bulk_commit")
+                                T.call_extern("handle", "sparse_mqa_bulk_commit")
                     T.barrier_arrive(bar_pds_free)
                 for h, d in T.Parallel(HG, N1):
                     if h0 + h < heads:
                         dQ[b_i, s_i, h0 + h, n0 + d] = T.cast(acc_dq1[h, d], bf16)
                 if reds != "none":
                     if tx - 128 < BI:
-                        T.call_extern("handle", "smqa_bulk_wait_all")
+                        T.call_extern("handle", "sparse_mqa_bulk_wait_all")
             else:
                 if reds == "sender":
                     T.set_max_nreg(NREG_SEND, 0)

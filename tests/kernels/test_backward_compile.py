@@ -2,6 +2,8 @@
 CUDA accumulates dkv only as int64 into the integer accumulator: no floating-point atomic or reduction."""
 
 import dataclasses
+import importlib.util
+import pathlib
 import re
 
 import pytest
@@ -18,6 +20,14 @@ FLOAT_ATOMICS = ("atomicAdd(", "AtomicAddx2", "AtomicAddx4", "tma_store_add", "r
 ANCHOR = bwd_plan.make_plan(1, 4096, 8192, 64, 2048, 576, 512).key()
 SMALL_GROUP = bwd_plan.make_plan(1, 64, 128, 16, 64, 576, 512).key()
 ANCHOR_SINGLE = dataclasses.replace(ANCHOR, single_role=True)
+
+
+def _benchmark(name: str):
+    """A script of ``benchmarks/`` as a module, by path (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).parents[2] / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="module")
@@ -154,13 +164,7 @@ def test_reduction_benchmark_compiles_and_pads_to_its_occupancy():
     kernel compiles for sm_90a, sends rows only with its config's bulk reduction (.add.u64, .add.f32 for the
     float32 configs, .add.u32 for the int32 ones), and its shared memory admits exactly the blocks per SM the config
     names; a register config sends with its own red.global flavour only."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "bench_reduce.py"
-    spec = importlib.util.spec_from_file_location("bench_reduce", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark("bench_reduce")
     assert mod.parse("16x2/3w256") == (16, 2, 3, 256, "int64") and mod.parse("8x1/2f32")[-1] == "float32"
     assert mod.parse("16x4/1i32") == (16, 4, 1, 576, "int32")
     for config in ("8x2/1", "8x2/3", "8x2/3f32", "8x2/3i32"):
@@ -195,23 +199,17 @@ def test_wide_probe_compiles_in_cudnns_shape():
     warpgroups and S / dP as 64 x BI wgmma tiles; 64-slot blocks fill shared memory with Q, dO, the KV block, P and
     dS only (cuDNN's tiles); a sending variant sends only with its own operation, and none uses a float atomic; the
     sender variant's third warpgroup takes registers from the launch's budget only."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "probe_wide_backward.py"
-    spec = importlib.util.spec_from_file_location("probe_wide_backward", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark("probe_wide_backward")
     with pytest.raises(ValueError, match="no shared memory for staging"):
         mod.build_program(64, "bulk")
-    for variant, sends in (("64/none", set()), ("48/bulk", {"smqa_bulk_add_u32"}), ("48/line", {"smqa_red_u32"}),
-                           ("48/sender", {"smqa_send_block"})):
+    for variant, sends in (("64/none", set()), ("48/bulk", {"sparse_mqa_bulk_add_u32"}),
+                           ("48/line", {"smqa_red_u32"}), ("48/sender", {"smqa_send_block"})):
         src = mod.compiled(variant).get_kernel_source()
         body = src[src.index('extern "C" __global__'):]
         bi = variant.split("/")[0]
         shapes = set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", body))
         assert ("64", bi) in shapes, (variant, shapes)
-        assert set(re.findall(r"(smqa_\w+_u32|smqa_send_\w+)[(<]", body)) == sends, variant
+        assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+_u32|smqa_send_\w+)[(<]", body)) == sends, variant
         assert "atomicAdd" not in body and "AtomicAdd" not in body
         if variant.endswith("sender"):
             # a third warpgroup sends; registers move to the two MMA warpgroups within the launch's 3 x 168
@@ -230,13 +228,7 @@ def test_split_probe_compiles_its_two_kernels():
     computes dkv^T as 64 x 32 chunks and sends dkv only as .add.u32 bulk rows, one per warpgroup and slot; neither
     uses a float atomic. The bound-only modes write neither dq nor P nor dS, and bound1 has no dP product; the lean
     bound kernel runs S^T alone, each warpgroup on its own accumulator."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "probe_split_backward.py"
-    spec = importlib.util.spec_from_file_location("probe_split_backward", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark("probe_split_backward")
     bodies = {}
     for which in ("a", "b"):
         src = mod.compiled(which, 32).get_kernel_source()
@@ -244,20 +236,20 @@ def test_split_probe_compiles_its_two_kernels():
         assert "atomicAdd" not in bodies[which] and "AtomicAdd" not in bodies[which]
     shapes = set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", bodies["a"]))
     assert ("64", "64") in shapes, shapes
-    assert set(re.findall(r"(smqa_\w+)\(\(", bodies["a"])) == {"smqa_red_u64"}
+    assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+)\(\(", bodies["a"])) == {"smqa_red_u64"}
     assert set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", bodies["b"])) == {("64", "32")}
-    assert set(re.findall(r"(smqa_bulk_add_\w+)\(", bodies["b"])) == {"smqa_bulk_add_u32"}
-    assert len(re.findall(r"smqa_bulk_add_u32\(", bodies["b"])) == 2
+    assert set(re.findall(r"(sparse_mqa_bulk_add_\w+)\(", bodies["b"])) == {"sparse_mqa_bulk_add_u32"}
+    assert len(re.findall(r"sparse_mqa_bulk_add_u32\(", bodies["b"])) == 2
     # --bound: kernel A reduced to the row bounds (design (a)'s prep pass): no dq, P or dS written; bound1 runs S only
     for mode, n_products in (("bound2", 2), ("bound1", 1)):
         src = mod.compiled(mode).get_kernel_source()
         body = src[src.index('extern "C" __global__'):]
-        assert set(re.findall(r"(smqa_\w+)\(\(", body)) == {"smqa_red_u64"}, mode
+        assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+)\(\(", body)) == {"smqa_red_u64"}, mode
         assert not re.search(r"\b(dQ|Pout|dSout)\[", body), mode
         assert len(set(re.findall(r"wgmma_ss<[^>]*>\([^;]*acc_(s|dp)\b", body))) == n_products, mode
     # the lean bound kernel: S^T only, as [64 slots x 64 heads] tiles, one per warpgroup; row bounds as integers
     src = mod.compiled("lean").get_kernel_source()
     body = src[src.index('extern "C" __global__'):]
-    assert set(re.findall(r"(smqa_\w+)\(\(", body)) == {"smqa_red_u64"}
+    assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+)\(\(", body)) == {"smqa_red_u64"}
     assert set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", body)) == {("64", "64")}
     assert set(re.findall(r"wgmma_ss<[^>]*>\([^;]*\(acc(\d)\b", body)) == {"0", "1"}
