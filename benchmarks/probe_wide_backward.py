@@ -20,6 +20,8 @@ holds an int32 staging buffer. A variant ``BI/mode``:
   stages each chunk (each slot's KV row in the padding column, once a block); WG2 forms its rows' pointers once a
   block, and per chunk loads its lines, frees the stage (mbarrier) and sends them (``smqa_send_block``). WG0 loads
   the rows' scales with the rows.
+- ``sender2``: as ``sender``, each block's KV rows read from the indices during the block before (after its copies
+  are issued) and their scales after its products, so neither load waits in front of the block's copies.
 
 Send paths measured and dropped (BENCHMARKS.md, 2026-12-01 17:59-18:31 UTC, at commit 2f9abda): an unrolled ``line``
 without the memory clobber, a sender that forms row pointers every chunk, staging in an opaque helper, a 288 / 288 dq
@@ -153,7 +155,8 @@ def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256):
 def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     import tilelang.language as T
 
-    reds = "none_t" if (mode == "none" and BI < 64) else mode
+    prefetch = mode == "sender2"  # sender, each block's rows and scales loaded during the block before
+    reds = "none_t" if (mode == "none" and BI < 64) else "sender" if prefetch else mode
     if BI not in (32, 48, 64) or mode not in MODES:
         raise ValueError(f"variant {BI}/{mode}: BI is 32, 48 or 64 and mode one of {', '.join(MODES)}")
     if BI == 64 and mode != "none":
@@ -166,11 +169,19 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     ROWS_PER_PASS = 16
     PASSES = BI // ROWS_PER_PASS
     CHUNKS = dqk // 64
-    threads = 384 if mode == "sender" else 256
+    threads = 384 if reds == "sender" else 256
     load_query, zero_rows = query_tiles(T, dqk, dv, HG, threads)
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
+
+    @T.macro
+    def next_rows(rows, Indices, b_i, s_i, kb, n_valid, p):
+        # this thread's KV rows of block kb, -1 past the valid slots
+        for r in T.unroll(PASSES):
+            rows[r] = -1
+            if kb * BI + r * ROWS_PER_PASS + p // 8 < n_valid:
+                rows[r] = Indices[b_i, s_i, kb * BI + r * ROWS_PER_PASS + p // 8]
 
     @T.prim_func
     def wide_bwd(
@@ -214,6 +225,8 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
             lse_f = T.alloc_fragment([HG], f32)
             delta_f = T.alloc_fragment([HG], f32)
             idx_r = T.alloc_local([PASSES], i32)
+            idx_n = T.alloc_local([PASSES], i32)  # sender2: the next block's rows and scales
+            sc_n = T.alloc_local([PASSES], f32)
             sc_r = T.alloc_local([PASSES], f32)  # sender: the rows' scales, loaded with the rows
             ok = T.alloc_var("bool")
             bar_k_ready = T.alloc_barrier(arrive_count=256)  # 128 cp.async + 128 plain arrivals (WG0)
@@ -241,13 +254,22 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                     delta_f[h] = T.if_then_else(h0 + h < heads, Delta[b_i, s_i, h0 + h], 0.0)
                 T.clear(acc_dq0)
                 p = tx
-                for kb in T.serial(n_blk):
+                if prefetch:
+                    next_rows(idx_n, Indices, b_i, s_i, 0, n_valid, p)
                     for r in T.unroll(PASSES):
-                        idx_r[r] = -1
-                        if kb * BI + r * ROWS_PER_PASS + p // 8 < n_valid:
-                            idx_r[r] = Indices[b_i, s_i, kb * BI + r * ROWS_PER_PASS + p // 8]
-                        if reds == "sender":
-                            sc_r[r] = RowScale[b_i, T.min(T.max(idx_r[r], 0), seq_kv - 1)]
+                        sc_n[r] = RowScale[b_i, T.min(T.max(idx_n[r], 0), seq_kv - 1)]
+                for kb in T.serial(n_blk):
+                    if prefetch:
+                        for r in T.unroll(PASSES):
+                            idx_r[r] = idx_n[r]
+                            sc_r[r] = sc_n[r]
+                    else:
+                        for r in T.unroll(PASSES):
+                            idx_r[r] = -1
+                            if kb * BI + r * ROWS_PER_PASS + p // 8 < n_valid:
+                                idx_r[r] = Indices[b_i, s_i, kb * BI + r * ROWS_PER_PASS + p // 8]
+                            if reds == "sender":
+                                sc_r[r] = RowScale[b_i, T.min(T.max(idx_r[r], 0), seq_kv - 1)]
                     if kb > 0:
                         T.barrier_wait(bar_k_free, (kb - 1) & 1)
                     for r in T.unroll(PASSES):
@@ -268,6 +290,8 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                                 )
                     T.cp_async_barrier_noinc(bar_k_ready)
                     T.barrier_arrive(bar_k_ready)
+                    if prefetch:
+                        next_rows(idx_n, Indices, b_i, s_i, kb + 1, n_valid, p)
                     T.barrier_wait(bar_k_ready, kb & 1)
                     T.wgmma_gemm(Q_shared, KV_shared, acc_s, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(dO_shared, KV_shared[:, 0:D], acc_dp, transpose_B=True, clear_accum=True)
@@ -276,6 +300,9 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                         acc_s[h, j] = T.if_then_else(idx_shared[j] >= 0, T.exp2(acc_s[h, j] * c2 - lse_f[h]), 0.0)
                     for h, j in T.Parallel(HG, BI):
                         acc_dp[h, j] = acc_s[h, j] * (acc_dp[h, j] - delta_f[h]) * sm_scale
+                    if prefetch:  # the next block's rows have had this block's products to arrive
+                        for r in T.unroll(PASSES):
+                            sc_n[r] = RowScale[b_i, T.min(T.max(idx_n[r], 0), seq_kv - 1)]
                     if kb > 0:
                         T.barrier_wait(bar_pds_free, (kb - 1) & 1)
                     T.copy(acc_s, P_shared)
@@ -423,7 +450,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     return wide_bwd
 
 
-MODES = ("none", "stage", "bulk", "line", "batched", "sender")
+MODES = ("none", "stage", "bulk", "line", "batched", "sender", "sender2")
 # sender's registers per thread (setmaxnreg): the launch gives each thread 168 (65536 / 384, rounded down to 8) and an
 # increase only takes what a decrease gave back, so 2 x NREG_MMA + NREG_SEND must stay within 3 x 168
 NREG_MMA, NREG_SEND = 224, 56
@@ -513,7 +540,7 @@ def main(argv=None):
                 k(t.q, t.kv, t.go, t.idx, t.tl, t.lse2, t.delta, t.rows, dq, keep, row_scale, acc32, t.sm)
             ms = time_ms(call, a.iters)
             extra = ""
-            if v.split("/")[1] in ("bulk", "line", "batched", "sender"):
+            if v.split("/")[1] in ("bulk", "line", "batched", "sender", "sender2"):
                 acc32.zero_()
                 call()
                 extra = f"; dkv against today's exact sum: {dkv_error(acc32.double() / divisor[..., None], t.exact)}"
