@@ -808,17 +808,168 @@ def build_prep(ab=False, dqk=576, dv=512, HB=4):
     return prep_ab if ab else prep_a
 
 
+def build_prepw(dqk=576, dv=512, WPB=8):
+    """``prepw``: ``prepab``'s outputs from one warp a (query, head), WPB heads a block: each lane loads 16 bytes at a
+    time and sums its columns in order, then the warp's butterfly (``warp_reduce_*``) finishes, so no shared memory
+    or barrier sits between a row's loads and its sums. Per block, its heads' A_h and B_h summed in head order
+    (Sums [2, B, S, head blocks]; the host sums those). Delta's summation order is not ``bwd_prep``'s."""
+    import tilelang.language as T
+
+    batch, seq_len, heads = T.dynamic("batch, seq_len, heads")
+    bf16, f32 = T.bfloat16, T.float32
+    OV, QV = dv // 8, dqk // 8  # 16-byte chunks a row
+    assert OV % 32 == 0
+
+    @T.prim_func
+    def prep_w(
+        Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
+        O: T.Tensor([batch, seq_len, heads, dv], bf16),
+        dO: T.Tensor([batch, seq_len, heads, dv], bf16),
+        Delta: T.Tensor([batch, seq_len, heads], f32),
+        A: T.Tensor([batch, seq_len, heads], f32),
+        Bc: T.Tensor([batch, seq_len, heads], f32),
+        Sums: T.Tensor([2, batch, seq_len, T.ceildiv(heads, WPB)], f32),
+        sm_scale: f32,
+    ):
+        with T.Kernel(seq_len, T.ceildiv(heads, WPB), batch, threads=32 * WPB) as (bx, by, bz):
+            ob = T.alloc_local([8], bf16)
+            gb = T.alloc_local([8], bf16)
+            qb = T.alloc_local([8], bf16)
+            d = T.alloc_var(f32)
+            g2 = T.alloc_var(f32)
+            gm = T.alloc_var(f32)
+            qm = T.alloc_var(f32)
+            terms = T.alloc_shared([2, WPB], f32)
+            tx = T.get_thread_binding()
+            w, lane = tx // 32, tx % 32
+            h = by * WPB + w
+            hh = T.min(h, heads - 1)
+            d, g2, gm, qm = 0.0, 0.0, 0.0, 0.0
+            for c in T.unroll(OV // 32):
+                for v in T.vectorized(8):
+                    ob[v] = O[bz, bx, hh, (c * 32 + lane) * 8 + v]
+                    gb[v] = dO[bz, bx, hh, (c * 32 + lane) * 8 + v]
+                for v in T.unroll(8):
+                    d += T.cast(ob[v], f32) * T.cast(gb[v], f32)
+                    g2 += T.cast(gb[v], f32) * T.cast(gb[v], f32)
+                    gm = T.max(gm, T.abs(T.cast(gb[v], f32)))
+            for c in T.unroll(T.ceildiv(QV, 32)):
+                if c * 32 + lane < QV:
+                    for v in T.vectorized(8):
+                        qb[v] = Q[bz, bx, hh, (c * 32 + lane) * 8 + v]
+                    for v in T.unroll(8):
+                        qm = T.max(qm, T.abs(T.cast(qb[v], f32)))
+            d = T.warp_reduce_sum(d)
+            g2 = T.warp_reduce_sum(g2)
+            gm = T.warp_reduce_max(gm)
+            qm = T.warp_reduce_max(qm)
+            if lane == 0:
+                a = T.abs(sm_scale) * qm * T.sqrt(g2)
+                b = T.abs(sm_scale) * qm * T.abs(d) + gm
+                terms[0, w] = T.if_then_else(h < heads, a, 0.0)
+                terms[1, w] = T.if_then_else(h < heads, b, 0.0)
+                if h < heads:
+                    Delta[bz, bx, h] = d
+                    A[bz, bx, h] = a
+                    Bc[bz, bx, h] = b
+            T.sync_threads()
+            if tx < 2:
+                total = T.alloc_var(f32)
+                total = 0.0
+                for i in T.serial(WPB):
+                    total += terms[tx, i]
+                Sums[tx, bz, bx, by] = total
+
+    return prep_w
+
+
+def build_scales(dqk=576, dv=512, WPB=8):
+    """``scales``: per KV row, |V_j| (one warp a row, as ``prepw`` sums), B_j = |V_j| U_j / Ex[0] + W_j / Ex[1] from
+    ``lean4``'s two int64 sums, F_j = 29 - ceil(log2 B_j) clamped to [-120, 120], and the row's scale 2**F_j and
+    inverse 2**-F_j (0 and 1 for a row no slot names, B_j = 0)."""
+    import tilelang.language as T
+
+    batch, seq_kv = T.dynamic("batch, seq_kv")
+    bf16, f32, i64 = T.bfloat16, T.float32, T.int64
+    OV = dv // 8
+
+    @T.prim_func
+    def row_scale(
+        KV: T.Tensor([batch, seq_kv, dqk], bf16),
+        RowU: T.Tensor([batch, seq_kv], i64),
+        RowW: T.Tensor([batch, seq_kv], i64),
+        Ex: T.Tensor([2], f32),
+        Scale: T.Tensor([batch, seq_kv], f32),
+        Inv: T.Tensor([batch, seq_kv], f32),
+    ):
+        with T.Kernel(T.ceildiv(seq_kv, WPB), batch, threads=32 * WPB) as (bx, by):
+            vb = T.alloc_local([8], bf16)
+            n2 = T.alloc_var(f32)
+            tx = T.get_thread_binding()
+            j, lane = bx * WPB + tx // 32, tx % 32
+            jj = T.min(j, seq_kv - 1)
+            n2 = 0.0
+            for c in T.unroll(OV // 32):
+                for v in T.vectorized(8):
+                    vb[v] = KV[by, jj, (c * 32 + lane) * 8 + v]
+                for v in T.unroll(8):
+                    n2 += T.cast(vb[v], f32) * T.cast(vb[v], f32)
+            n2 = T.warp_reduce_sum(n2)
+            if T.And(lane == 0, j < seq_kv):
+                bnd = T.sqrt(n2) * (T.cast(RowU[by, j], f32) / Ex[0]) + T.cast(RowW[by, j], f32) / Ex[1]
+                f = T.max(T.min(29.0 - T.ceil(T.log2(bnd)), 120.0), -120.0)
+                Scale[by, j] = T.if_then_else(bnd > 0.0, T.exp2(f), 0.0)
+                Inv[by, j] = T.if_then_else(bnd > 0.0, T.exp2(-f), 1.0)
+
+    return row_scale
+
+
+def build_convert(dqk=576, BJ=8):
+    """``convert``: dkv = bf16(acc * 2**-F_j), one int32 row a warp-pass (the int32 goes to float32 first, exact
+    below 2**24; above, it rounds twice, to 24 bits and then to bf16)."""
+    import tilelang.language as T
+
+    batch, seq_kv = T.dynamic("batch, seq_kv")
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+
+    @T.prim_func
+    def convert(
+        Acc: T.Tensor([batch, seq_kv, dqk], i32),
+        Inv: T.Tensor([batch, seq_kv], f32),
+        dKV: T.Tensor([batch, seq_kv, dqk], bf16),
+    ):
+        with T.Kernel(T.ceildiv(seq_kv, BJ), batch, threads=128) as (bx, by):
+            for r, d in T.Parallel(BJ, dqk):
+                j = T.min(bx * BJ + r, seq_kv - 1)
+                if bx * BJ + r < seq_kv:
+                    dKV[by, j, d] = T.cast(T.cast(Acc[by, j, d], f32) * Inv[by, j], bf16)
+
+    return convert
+
+
 def prep_ab(kp, t):
-    """``prepab`` and the rest of lean4's inputs: (Delta, A, Bc, |V_j|, Lse2, Ex) with Ex = the fixed points of U
-    and W, 2**(62 - ceil(log2 G)) for G the sum of A_h (of B_h) over every query and head (1 where G is 0)."""
+    """``prepab`` and the rest of lean4's inputs: (Delta, A, Bc, Lse2, Ex), Ex the fixed points of U and W."""
     B, S, H, _ = t.q.shape
     delta, A, Bc = (torch.empty(B, S, H, dtype=torch.float32, device="cuda") for _ in range(3))
     sums = torch.empty(2, B, S, dtype=torch.float32, device="cuda")
     kp(t.q, t.out, t.go, delta, A, Bc, sums, t.sm)
-    g = sums.sum((1, 2))
-    ex = torch.where(g > 0, torch.exp2(62 - torch.ceil(torch.log2(g))), torch.ones_like(g))
-    vnorm = t.kv[..., :512].float().norm(dim=-1)
-    return delta, A, Bc, vnorm, contract.lse_to_base2(t.lse, t.sink).contiguous(), ex
+    return delta, A, Bc, contract.lse_to_base2(t.lse, t.sink).contiguous(), uw_fixed_points(sums)
+
+
+def prep_w(kp, t):
+    """``prepw`` and the rest of lean4's inputs, as ``prep_ab``."""
+    B, S, H, _ = t.q.shape
+    delta, A, Bc = (torch.empty(B, S, H, dtype=torch.float32, device="cuda") for _ in range(3))
+    sums = torch.empty(2, B, S, -(-H // 8), dtype=torch.float32, device="cuda")
+    kp(t.q, t.out, t.go, delta, A, Bc, sums, t.sm)
+    return delta, A, Bc, contract.lse_to_base2(t.lse, t.sink).contiguous(), uw_fixed_points(sums)
+
+
+def uw_fixed_points(sums):
+    """float32 [2]: 2**(62 - ceil(log2 G)) for G the sum of A_h (of B_h) over every query and head (1 where G is
+    0), so neither int64 row sum can pass 2**62."""
+    g = sums.flatten(1).sum(1)
+    return torch.where(g > 0, torch.exp2(62 - torch.ceil(torch.log2(g))), torch.ones_like(g))
 
 
 def row_scales_uw(U, W, ex, vnorm):
@@ -841,13 +992,15 @@ def prep_a(kp, t):
 
 
 def compiled(which: str, bi: int = 32):
-    """``which``: "a" (kernel A), "b" (kernel B at ``bi`` slots a block), a bound-only kernel A mode, a lean mode or
-    "prep"."""
+    """``which``: "a" (kernel A), "b" (kernel B at ``bi`` slots a block), a bound-only kernel A mode, a lean mode,
+    a prep pass ("prep", "prepab", "prepw"), "scales" or "convert"."""
     import tilelang
 
     from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET
     program = (build_b(bi) if which == "b" else build_lean(which) if which in LEAN_MODES
                else build_prep(which == "prepab") if which in ("prep", "prepab")
+               else build_prepw() if which == "prepw" else build_scales() if which == "scales"
+               else build_convert() if which == "convert"
                else build_a("full" if which == "a" else which))
     return tilelang.compile(program, out_idx=None, target=TARGET, execution_backend=EXECUTION_BACKEND)
 
@@ -888,25 +1041,25 @@ def main(argv=None):
                    f"({', '.join(A_MODES[1:])}) and lean modes ({', '.join(LEAN_MODES)})")
     p.add_argument("--pipeline", action="store_true", help="design (a) end to end (prep, bound pass, main kernel, "
                    "conversion) beside today's call")
-    p.add_argument("--pipe-bound", default="lean3", choices=LEAN_MODES[1:2] + LEAN_MODES[4:], help="--pipeline's bound "
-                   "pass")
+    p.add_argument("--pipe-prep", default="prepw", choices=("prepab", "prepw"), help="--pipeline's prep pass")
+    p.add_argument("--pipe-tail", default="kernels", choices=("torch", "kernels"), help="--pipeline's row scales and "
+                   "conversion")
     p.add_argument("--cudnn", action="store_true", help="--pipeline: time cuDNN's backward in the same process")
-    p.add_argument("--pipe-main", default="48/sender2", choices=("48/sender", "48/sender2"), help="--pipeline's main "
-                   "kernel (probe_wide_backward.py's variant)")
+    p.add_argument("--pipe-main", default="48/sender2", choices=("48/sender", "48/sender2", "48/sender3"),
+                   help="--pipeline's main kernel (probe_wide_backward.py's variant)")
     a = p.parse_args(argv)
     if a.bound or a.pipeline:
         names = a.kernels.split(",") if a.bound else []
-        if a.pipeline:
-            names.append(a.pipe_bound)
-        names = ["prep", *(["prepab"] if "lean4" in names else []), *dict.fromkeys(names)]
+        names = ["prep", *(["prepab"] if "lean4" in names else []), *names]
         kbs = {m: compiled(m) for m in names}
-        main_kernel = WIDE.compiled(a.pipe_main) if a.pipeline else None
+        if a.pipeline:
+            pipe = (compiled(a.pipe_prep), compiled("lean4"), WIDE.compiled(a.pipe_main),
+                    (compiled("scales"), compiled("convert")) if a.pipe_tail == "kernels" else None)
         if torch.cuda.is_available():
             for name in a.shapes:
                 t = WIDE.today(name)
                 if a.pipeline:
-                    pipeline(kbs["prepab" if a.pipe_bound == "lean4" else "prep"], kbs[a.pipe_bound], main_kernel, t,
-                             name, a)
+                    pipeline(*pipe, t, name, a)
                 if a.bound:
                     bound_only(dict(kbs), t, name, a)
         else:
@@ -1009,7 +1162,8 @@ def bound_only(kbs, t, name, a):
     for mode, k in kbs.items():
         row_bound = torch.zeros(B, t.Skv, dtype=torch.int64, device="cuda")
         if mode == "lean4":
-            d4, A, Bc, vn4, l4, ex4 = prep_ab(kab, t)
+            d4, A, Bc, l4, ex4 = prep_ab(kab, t)
+            vn4 = t.kv[..., :512].float().norm(dim=-1)
             print(f"  prepab's Delta bitwise equal to prep's: {torch.equal(d4, delta)}", flush=True)
             row_w = torch.zeros_like(row_bound)
 
@@ -1047,40 +1201,42 @@ def bound_only(kbs, t, name, a):
               f"{r.max().item():.5f}", flush=True)
 
 
-def pipeline(kp, kl, ks, t, name, a):
-    """Design (a) end to end: the ``prep`` pass and the bound's fixed point, the bound pass (``--pipe-bound``), the
-    row scales, the main kernel (``--pipe-main``, a ``probe_wide_backward.py`` variant: int32 per KV row) and the
-    conversion to bf16. The whole call is timed as today's call (and cuDNN's, ``--cudnn``) is, in the same process;
-    each stage's GPU time is taken with CUDA events on calls queued behind a sleep, so the host's launches stay ahead.
-    dq is compared bit for bit with today's, dkv with today's exact sum."""
+def pipeline(kp, kl, ks, tail, t, name, a):
+    """Design (a) end to end: the prep pass (``--pipe-prep``) and the fixed points of the bound's two sums, the
+    ``lean4`` bound pass, the row scales, the main kernel (``--pipe-main``, a ``probe_wide_backward.py`` variant:
+    int32 per KV row) and the conversion to bf16, the last two steps in torch or as the ``scales`` and ``convert``
+    kernels (``--pipe-tail``). The whole call is timed as today's call (and cuDNN's, ``--cudnn``) is, in the same
+    process; each stage's GPU time is taken with CUDA events on calls queued behind a sleep, so the host's launches
+    stay ahead. dq is compared bit for bit with today's, dkv with today's exact sum."""
     from sparse_mqa_kernels import backward
     B, S, H, Dqk = t.q.shape
     keep = torch.zeros((B, Dqk), dtype=torch.float32, device="cuda")
-    uw = a.pipe_bound == "lean4"
+    prep = prep_w if a.pipe_prep == "prepw" else prep_ab
 
     def call(ev=None):
         mark = (lambda k: ev[k].record()) if ev else (lambda k: None)
         mark(0)
-        if uw:
-            delta, A, Bc, vnorm, lse2, ex = prep_ab(kp, t)
-        else:
-            delta, qmax, omax, onorm, vnorm, lse2 = prep_a(kp, t)
-            ex = bound_scale(qmax, omax, onorm, delta, vnorm, t.sm)
+        delta, A, Bc, lse2, ex = prep(kp, t)
         mark(1)
-        row_bound = torch.zeros(B, t.Skv, dtype=torch.int64, device="cuda")
-        if uw:
-            row_w = torch.zeros_like(row_bound)
-            kl(t.q, t.kv, t.idx, t.tl, lse2, A, Bc, t.rows, ex, row_bound, row_w, t.sm)
-        else:
-            kl(t.q, t.kv, t.idx, t.tl, lse2, delta, qmax, omax, onorm, vnorm, t.rows, ex, row_bound, t.sm)
+        row_u = torch.zeros(B, t.Skv, dtype=torch.int64, device="cuda")
+        row_w = torch.zeros_like(row_u)
+        kl(t.q, t.kv, t.idx, t.tl, lse2, A, Bc, t.rows, ex, row_u, row_w, t.sm)
         mark(2)
-        scale, inv = row_scales_uw(row_bound, row_w, ex, vnorm)[0] if uw else row_scales(row_bound, ex)
+        if tail:
+            scale, inv = torch.empty(B, t.Skv, device="cuda"), torch.empty(B, t.Skv, device="cuda")
+            tail[0](t.kv, row_u, row_w, ex, scale, inv)
+        else:
+            scale, inv = row_scales_uw(row_u, row_w, ex, t.kv[..., :512].float().norm(dim=-1))[0]
         mark(3)
         acc = torch.zeros(B, t.Skv, Dqk, dtype=torch.int32, device="cuda")
         dq = torch.empty_like(t.q)
         ks(t.q, t.kv, t.go, t.idx, t.tl, lse2, delta, t.rows, dq, keep, scale, acc, t.sm)
         mark(4)
-        dkv = (acc.double() * inv[..., None]).to(torch.bfloat16)
+        if tail:
+            dkv = torch.empty(B, t.Skv, Dqk, dtype=torch.bfloat16, device="cuda")
+            tail[1](acc, inv, dkv)
+        else:
+            dkv = (acc.double() * inv[..., None]).to(torch.bfloat16)
         mark(5)
         return dq, dkv, acc, inv
 
@@ -1115,7 +1271,13 @@ def pipeline(kp, kl, ks, t, name, a):
     print(f"  its GPU time, queued: {sum(med.values()):.3f} ms = " + " + ".join(f"{k} {v:.3f}" for k, v in med.items()),
           flush=True)
     dq_ref, dkv_today, _ = backward.sparse_mqa_backward(t.q, t.kv, t.out, t.go, t.lse, t.sink, t.idx, t.sm)
-    print(f"  dq bitwise equal to today's {torch.equal(dq, dq_ref)}; dkv against the exact sum: "
+    if tail:
+        torch_dkv = (acc.double() * inv.double()[..., None]).to(torch.bfloat16)
+        print(f"  convert against torch's float64 conversion: {int((dkv != torch_dkv).sum())} of {dkv.numel()} "
+              f"elements differ", flush=True)
+    dq_diff = ((dq.float() - dq_ref.float()).norm() / dq_ref.float().norm()).item()
+    print(f"  dq bitwise equal to today's {torch.equal(dq, dq_ref)} (rel. L2 {dq_diff:.1e}); dkv against the exact "
+          "sum: "
           f"{WIDE.dkv_error(dkv.double(), t.exact)} (today's bf16: {WIDE.dkv_error(dkv_today.double(), t.exact)}); "
           f"int32 exact against the exact sum: {WIDE.dkv_error(acc.double() * inv[..., None], t.exact)}", flush=True)
 

@@ -253,3 +253,29 @@ def test_split_probe_compiles_its_two_kernels():
     assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+)\(\(", body)) == {"smqa_red_u64"}
     assert set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", body)) == {("64", "64")}
     assert set(re.findall(r"wgmma_ss<[^>]*>\([^;]*\(acc(\d)\b", body)) == {"0", "1"}
+
+
+def test_design_a_kernels_compile():
+    """Design (a) of issue 26 as ``benchmarks/rows_backend.py`` runs it: ``prepw`` sums each (query, head) in one
+    warp (no atomics); ``lean4`` runs S^T alone as [64 slots x 64 heads] tiles, one accumulator per warpgroup, and adds
+    each slot's two bound sums to its row's U and W only with red.add.u64 (no |V_j| read); ``scales`` and ``convert``
+    use no atomics; ``48/sender2`` is ``sender`` with each block's rows read during the block before."""
+    split = _benchmark("probe_split_backward")
+    bodies = {}
+    for which in ("prepw", "lean4", "scales", "convert"):
+        src = split.compiled(which).get_kernel_source()
+        bodies[which] = src[src.index('extern "C" __global__'):]
+        assert "atomicAdd" not in bodies[which] and "AtomicAdd" not in bodies[which], which
+    assert "warp_reduce_sum" in bodies["prepw"] and "warp_reduce_max" in bodies["prepw"]
+    body = bodies["lean4"]
+    assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+)\(\(", body)) == {"smqa_red_u64"}
+    assert set(re.findall(r"smqa_red_u64\(\(&\((Row[UW])\[", body)) == {"RowU", "RowW"}
+    assert "VNorm" not in body
+    assert set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", body)) == {("64", "64")}
+    assert set(re.findall(r"wgmma_ss<[^>]*>\([^;]*\(acc(\d)\b", body)) == {"0", "1"}
+    wide = _benchmark("probe_wide_backward")
+    src = wide.compiled("48/sender2").get_kernel_source()
+    body = src[src.index('extern "C" __global__'):]
+    assert "__launch_bounds__(384, 1)" in body and "atomicAdd" not in body
+    assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+_u32|smqa_send_\w+)[(<]", body)) == {"smqa_send_block"}
+    assert "idx_n[" in body and "sc_n[" in body

@@ -1,0 +1,116 @@
+"""Design (a) of issue 26 as a backend the suite can run (``--smqa-backend rows_backend:RowsBackend`` with this folder
+on PYTHONPATH), built from the probes' kernels, so that the whole conformance suite and the scale tier judge it
+before any of it moves into ``sparse_mqa_kernels``:
+
+1. ``prepw`` (``probe_split_backward.py``): Delta and the bound's per-head factors A_h, B_h, one warp a (query, head);
+2. ``lean4``: each KV row's bound as two int64 sums U_j = sum P A_h, W_j = sum P B_h (each with a fixed point fixed
+   by the sums of A_h and of B_h over the call);
+3. ``scales``: B_j = |V_j| U_j + W_j, F_j = 29 - ceil(log2 B_j), the row's scale 2**F_j and its inverse;
+4. ``48/sender2`` (``probe_wide_backward.py``): dq, and dkv rounded to int32 at each row's scale and summed with
+   integer reductions (wrap-around addition, exact because the final sum fits);
+5. ``convert``: dkv = bf16(int32 sum * 2**-F_j). d_sink as today's backward forms it (torch, fixed shapes).
+
+Every sum is integer or in a fixed order, so the result is bitwise stable. Dqk 576 / Dv 512 only (the probes'
+kernels are built for them); the forward is the ``tilelang`` backend's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import torch
+
+from sparse_mqa_testkit import contract
+from sparse_mqa_testkit.backends import BackendBase, MissingDependency
+from sparse_mqa_testkit.backends.validate import check_backward_args
+
+HERE = pathlib.Path(__file__).parent
+
+
+def _probe(name: str):
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class RowsBackend(BackendBase):
+    name = "tilelang-rows"
+    device = "cuda"
+    deterministic = True
+    graph_safe = True  # no host reads of the data; every kernel and torch op on the current stream
+    dims = ((576, 512),)
+    tiles = {"head_group": 64, "topk_block": 48}  # the main kernel's blocks; the bound pass's are 64 slots
+    sanitize_kernels = "_kernel"
+
+    def __init__(self):
+        self._k = None
+
+    def require(self) -> None:
+        try:
+            import tilelang  # noqa: F401
+        except ImportError as exc:
+            raise MissingDependency(f"tilelang-rows needs TileLang 0.1.15 ({exc})") from exc
+
+    def _kernels(self):
+        if self._k is None:
+            split = _probe("probe_split_backward")
+            self._k = dict(prep=split.compiled("prepw"), bound=split.compiled("lean4"),
+                           scales=split.compiled("scales"), convert=split.compiled("convert"),
+                           main=split.WIDE.compiled("48/sender2"), fixed_points=split.uw_fixed_points)
+        return self._k
+
+    def warmup(self, cases=None) -> list[str]:
+        self._kernels()
+        return ["prepw", "lean4", "scales", "convert", "48/sender2"]
+
+    def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
+        from sparse_mqa_kernels.forward import sparse_mqa_forward
+
+        return sparse_mqa_forward(q, kv, indices, sm_scale, d_v, attn_sink=attn_sink, topk_length=topk_length)
+
+    def workspace_bytes(self, case, direction: str = "backward") -> int:
+        """An upper bound on what a backward call holds beside its outputs: the int32 dkv sums (4 a dkv element);
+        per KV row U, W, scale and inverse (24); per (query, head) Delta, A_h, B_h, the kernel LSE and its torch
+        temporaries, the sink probability and d_sink's product (64 in all); per query the head blocks' sums, the
+        row ids and topk_length's stand-in; 64 KiB of scalars."""
+        if direction == "forward":
+            return 0
+        B, S, Skv, H, Dqk = case.B, case.S, case.Skv, case.H, case.Dqk
+        return (4 * B * Skv * Dqk + 24 * B * Skv + 4 * B * Dqk + 64 * B * S * H
+                + 8 * B * S * -(-H // 8) + 8 * B * S + 4 * S + (64 << 10))
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        d = check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length,
+                                supported_dims=self.dims, device_type="cuda")
+        k = self._kernels()
+        sm = float(sm_scale)
+        dev = q.device
+        q, kv, out, grad_out, lse, indices = (t.contiguous() for t in (q, kv, out, grad_out, lse, indices))
+        with torch.cuda.device(dev):
+            tl = (torch.full((d.B, d.S), d.L, dtype=torch.int32, device=dev) if topk_length is None
+                  else topk_length.contiguous())
+            rows = torch.arange(d.S, dtype=torch.int32, device=dev)
+            delta, A, Bc = (torch.empty(d.B, d.S, d.H, dtype=torch.float32, device=dev) for _ in range(3))
+            sums = torch.empty(2, d.B, d.S, -(-d.H // 8), dtype=torch.float32, device=dev)
+            k["prep"](q, out, grad_out, delta, A, Bc, sums, sm)
+            lse2 = contract.lse_to_base2(lse, attn_sink).contiguous()
+            ex = k["fixed_points"](sums)
+            row_u = torch.zeros(d.B, d.Skv, dtype=torch.int64, device=dev)
+            row_w = torch.zeros_like(row_u)
+            k["bound"](q, kv, indices, tl, lse2, A, Bc, rows, ex, row_u, row_w, sm)
+            scale = torch.empty(d.B, d.Skv, dtype=torch.float32, device=dev)
+            inv = torch.empty_like(scale)
+            k["scales"](kv, row_u, row_w, ex, scale, inv)
+            del row_u, row_w
+            acc = torch.zeros(d.B, d.Skv, d.Dqk, dtype=torch.int32, device=dev)
+            dq = torch.empty(d.B, d.S, d.H, d.Dqk, dtype=torch.bfloat16, device=dev)
+            keep = torch.zeros(d.B, d.Dqk, dtype=torch.float32, device=dev)
+            k["main"](q, kv, grad_out, indices, tl, lse2, delta, rows, dq, keep, scale, acc, sm)
+            dkv = torch.empty(d.B, d.Skv, d.Dqk, dtype=torch.bfloat16, device=dev)
+            k["convert"](acc, inv, dkv)
+            d_sink = None
+            if attn_sink is not None:
+                d_sink = -(contract.sink_probability(lse, attn_sink) * delta).sum((0, 1))
+        return dq, dkv, d_sink
