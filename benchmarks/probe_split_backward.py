@@ -991,16 +991,18 @@ def prep_a(kp, t):
     return (*outs, vnorm, contract.lse_to_base2(t.lse, t.sink).contiguous())
 
 
-def compiled(which: str, bi: int = 32):
+def compiled(which: str, bi: int = 32, dims=(576, 512)):
     """``which``: "a" (kernel A), "b" (kernel B at ``bi`` slots a block), a bound-only kernel A mode, a lean mode,
-    a prep pass ("prep", "prepab", "prepw"), "scales" or "convert"."""
+    a prep pass ("prep", "prepab", "prepw"), "scales" or "convert"; design (a)'s kernels (lean modes, "prepw",
+    "scales", "convert") for any (Dqk, Dv) ``dims``, the others for 576 / 512."""
     import tilelang
 
     from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET
-    program = (build_b(bi) if which == "b" else build_lean(which) if which in LEAN_MODES
+    dqk, dv = dims
+    program = (build_b(bi) if which == "b" else build_lean(which, dqk=dqk) if which in LEAN_MODES
                else build_prep(which == "prepab") if which in ("prep", "prepab")
-               else build_prepw() if which == "prepw" else build_scales() if which == "scales"
-               else build_convert() if which == "convert"
+               else build_prepw(dqk, dv) if which == "prepw" else build_scales(dqk, dv) if which == "scales"
+               else build_convert(dqk) if which == "convert"
                else build_a("full" if which == "a" else which))
     return tilelang.compile(program, out_idx=None, target=TARGET, execution_backend=EXECUTION_BACKEND)
 

@@ -487,12 +487,12 @@ assert 2 * NREG_MMA + NREG_SEND <= 3 * 168
 VARIANTS = ("64/none", "48/none", "48/stage", "48/bulk", "48/line", "32/bulk", "48/batched", "48/sender")
 
 
-def compiled(variant: str):
+def compiled(variant: str, dims=(576, 512)):
     import tilelang
 
     from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET
     bi, mode = variant.split("/")
-    return tilelang.compile(build_program(int(bi), mode), out_idx=None, target=TARGET,
+    return tilelang.compile(build_program(int(bi), mode, *dims), out_idx=None, target=TARGET,
                             execution_backend=EXECUTION_BACKEND)
 
 

@@ -10,8 +10,9 @@ before any of it moves into ``sparse_mqa_kernels``:
    integer reductions (wrap-around addition, exact because the final sum fits);
 5. ``convert``: dkv = bf16(int32 sum * 2**-F_j). d_sink as today's backward forms it (torch, fixed shapes).
 
-Every sum is integer or in a fixed order, so the result is bitwise stable. Dqk 576 / Dv 512 only (the probes'
-kernels are built for them); the forward is the ``tilelang`` backend's.
+Every sum is integer or in a fixed order, so the result is bitwise stable. It declares Dqk 576 / Dv 512, where it
+has run; its kernels build for 512 / 512 too (``_kernels``), not yet run on a GPU. The forward is the ``tilelang``
+backend's.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class RowsBackend(BackendBase):
     sanitize_kernels = "_kernel"
 
     def __init__(self):
-        self._k = None
+        self._k = {}
 
     def require(self) -> None:
         try:
@@ -53,17 +54,19 @@ class RowsBackend(BackendBase):
         except ImportError as exc:
             raise MissingDependency(f"tilelang-rows needs TileLang 0.1.15 ({exc})") from exc
 
-    def _kernels(self):
-        if self._k is None:
+    def _kernels(self, dims):
+        if dims not in self._k:
             split = _probe("probe_split_backward")
-            self._k = dict(prep=split.compiled("prepw"), bound=split.compiled("lean4"),
-                           scales=split.compiled("scales"), convert=split.compiled("convert"),
-                           main=split.WIDE.compiled("48/sender2"), fixed_points=split.uw_fixed_points)
-        return self._k
+            k = {name: split.compiled(which, dims=dims) for name, which in
+                 (("prep", "prepw"), ("bound", "lean4"), ("scales", "scales"), ("convert", "convert"))}
+            self._k[dims] = dict(k, main=split.WIDE.compiled("48/sender2", dims), fixed_points=split.uw_fixed_points)
+        return self._k[dims]
 
     def warmup(self, cases=None) -> list[str]:
-        self._kernels()
-        return ["prepw", "lean4", "scales", "convert", "48/sender2"]
+        for dims in self.dims:
+            self._kernels(dims)
+        return [f"{k} {dqk}/{dv}" for dqk, dv in self.dims for k in ("prepw", "lean4", "scales", "convert",
+                                                                     "48/sender2")]
 
     def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
         from sparse_mqa_kernels.forward import sparse_mqa_forward
@@ -84,7 +87,7 @@ class RowsBackend(BackendBase):
     def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
         d = check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length,
                                 supported_dims=self.dims, device_type="cuda")
-        k = self._kernels()
+        k = self._kernels((d.Dqk, d.Dv))
         sm = float(sm_scale)
         dev = q.device
         q, kv, out, grad_out, lse, indices = (t.contiguous() for t in (q, kv, out, grad_out, lse, indices))

@@ -259,7 +259,8 @@ def test_design_a_kernels_compile():
     """Design (a) of issue 26 as ``benchmarks/rows_backend.py`` runs it: ``prepw`` sums each (query, head) in one
     warp (no atomics); ``lean4`` runs S^T alone as [64 slots x 64 heads] tiles, one accumulator per warpgroup, and adds
     each slot's two bound sums to its row's U and W only with red.add.u64 (no |V_j| read); ``scales`` and ``convert``
-    use no atomics; ``48/sender2`` is ``sender`` with each block's rows read during the block before."""
+    use no atomics; ``48/sender2`` is ``sender`` with each block's rows read during the block before. All of them
+    build for Dqk 512 / Dv 512 as well."""
     split = _benchmark("probe_split_backward")
     bodies = {}
     for which in ("prepw", "lean4", "scales", "convert"):
@@ -279,3 +280,8 @@ def test_design_a_kernels_compile():
     assert "__launch_bounds__(384, 1)" in body and "atomicAdd" not in body
     assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+_u32|smqa_send_\w+)[(<]", body)) == {"smqa_send_block"}
     assert "idx_n[" in body and "sc_n[" in body
+    # the other production dims build too (Dqk 512: eight 64-column chunks, no column past Dv)
+    for which in ("prepw", "lean4", "scales", "convert"):
+        assert "atomicAdd" not in split.compiled(which, dims=(512, 512)).get_kernel_source(), which
+    src = wide.compiled("48/sender2", (512, 512)).get_kernel_source()
+    assert "smqa_send_block<12, 68, 512, 64, 8, 64>" in src
