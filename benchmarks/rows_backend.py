@@ -10,6 +10,11 @@ before any of it moves into ``sparse_mqa_kernels``:
    integer reductions (wrap-around addition, exact because the final sum fits);
 5. ``convert``: dkv = bf16(int32 sum * 2**-F_j). d_sink as today's backward forms it (torch, fixed shapes).
 
+``RowsModelBackend`` is design (a)'s arithmetic in NumPy on CPU (any dims): ``backward_model``'s kernel loop for the
+terms, the bound of ``study_fixed_point.row_bound`` (lean4's, with its 2**-7 margin) per row, F_j, and the int32
+sums, raising if a term or a row's final sum leaves int32 (the kernel would wrap silently), so the suite's cases
+check on CPU that the bound holds wherever they reach.
+
 Every sum is integer or in a fixed order, so the result is bitwise stable. It declares Dqk 576 / Dv 512, where it
 has run; its kernels build for 512 / 512 too (``_kernels``), not yet run on a GPU. The forward is the ``tilelang``
 backend's.
@@ -117,3 +122,59 @@ class RowsBackend(BackendBase):
             if attn_sink is not None:
                 d_sink = -(contract.sink_probability(lse, attn_sink) * delta).sum((0, 1))
         return dq, dkv, d_sink
+
+
+class RowsModelBackend(BackendBase):
+    """Design (a)'s arithmetic in NumPy (see the module docstring), on CPU torch tensors."""
+
+    name = "tilelang-rows-model"
+    device = "cpu"
+    deterministic = True
+    dims = None
+    tiles = {"head_group": 16, "topk_block": 16}
+
+    def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
+        import numpy as np
+
+        from sparse_mqa_kernels import backward_model as bm
+        from sparse_mqa_testkit.convert import to_torch
+        from sparse_mqa_testkit.oracle import round_bf16, to_numpy
+
+        check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length)
+        study = _probe("study_fixed_point")
+        dev = q.device
+        q, kv, out, go, lse, sink, idx, tl = map(to_numpy, (q, kv, out, grad_out, lse, attn_sink, indices,
+                                                            topk_length))
+        sm = float(sm_scale)
+        B, S, H, Dqk = q.shape
+        Skv, Dv = kv.shape[1], out.shape[-1]
+        prep = bm.prepare(q, kv, out, go, lse, sink, idx, sm, tl)
+        dq = np.zeros((B, S, prep.plan.padded_heads, Dqk), dtype=np.float32)
+        acc = np.zeros((B, Skv, Dqk), dtype=np.int64)
+        blocks = list(bm.blocks(q, kv, go, lse, sink, idx, sm, tl, prep, dq))
+        bound = np.zeros((B, Skv), dtype=np.float32)
+        for blk in blocks:
+            np.add.at(bound, blk.rows, study.row_bound(blk, kv, Dv, sm) * np.float32(1.0 + 2.0**-7))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            f = np.clip(study.HEADROOM - np.ceil(np.log2(bound.astype(np.float64))), -120, 120)
+        named = bound > 0
+        f = np.where(named, f, 0).astype(np.int64)
+        for blk in blocks:
+            ints = np.rint(np.ldexp(blk.contrib.astype(np.float64), f[blk.rows][:, None]))
+            ints = np.where(named[blk.rows][:, None], ints, 0)
+            if not np.all(np.abs(ints) < 2.0**31):
+                raise AssertionError(f"design (a): a dkv term leaves int32 (largest {np.abs(ints).max():.3e})")
+            np.add.at(acc, blk.rows, ints.astype(np.int64))
+        if not np.all(np.abs(acc) < 2**31):
+            b, j = np.unravel_index(np.abs(acc).max(-1).argmax(), acc.shape[:2])
+            raise AssertionError(f"design (a): row ({b}, {j})'s dkv sum leaves int32 (bound {bound[b, j]:.3e})")
+        dkv = round_bf16(np.ldexp(acc.astype(np.float64), -f[..., None])).astype(np.float32)
+        dq = round_bf16(dq[:, :, :H]).astype(np.float32)
+        d_sink = None
+        if sink is not None:
+            from sparse_mqa_testkit import contract as c
+
+            ps = c.sink_probability(np.asarray(lse, dtype=np.float32), np.asarray(sink, dtype=np.float32))
+            d_sink = -(ps * prep.delta).sum((0, 1), dtype=np.float32)
+        return (to_torch(dq, dev, torch.bfloat16), to_torch(dkv, dev, torch.bfloat16),
+                None if d_sink is None else to_torch(d_sink, dev, torch.float32))
