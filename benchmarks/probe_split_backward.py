@@ -1,7 +1,10 @@
 """Probe (issue 26, design (b) in BENCHMARKS): the deterministic backward split in two kernels, int32 per KV row;
-and (``--bound``) design (a)'s prep pass, the per-row bound alone: kernel A reduced to it, and a lean kernel.
+and design (a)'s pieces: its prep pass (``prepw``), its bound pass (``lean4``; kernel A reduced to the bound for
+comparison), its row scales and conversion (``scales``, ``convert``), and (``--pipeline``) the whole design timed
+as one call beside today's and cuDNN's, with ``probe_wide_backward.py``'s main kernel.
 
     PYTHONUNBUFFERED=1 python benchmarks/probe_split_backward.py [anchor l512 h128] [--bi 32] [--b-only | --bound]
+    python benchmarks/probe_split_backward.py --pipeline [--cudnn] [--pipe-main 48/sender2] [--pipe-tail kernels]
     python benchmarks/probe_split_backward.py [--bound]   # no GPU: compile the kernels for sm_90a only
 
 Run on the H200 (BENCHMARKS.md, 2026-12-01 17:53 UTC): correct, and slower than today's call (kernel B waits on its
@@ -346,36 +349,22 @@ def build_b(BI=32, dqk=576, dv=512):
     return split_dkv
 
 
-LEAN_MODES = ("lean", "lean2", "lean2g", "lean2c", "lean3", "lean4")
+def build_bound(BI=64, dqk=576):
+    """Design (a)'s bound pass (``lean4``): each KV row's bound on |its dkv sum|, bound1's bound (|dP| <= |dO_h| |V_j|)
+    as two int64 sums U_j = sum P A_h and W_j = sum P B_h, each with its own fixed point (Ex, fixed by the sums of A_h
+    and of B_h over the call), so that B_j = |V_j| U_j + W_j is formed per row afterwards (``scales``): A_h = |scale|
+    max|q_h| |dO_h| and B_h = |scale| max|q_h| |Delta_h| + max|dO_h| from ``prepw``, bf16 P and dS covered by a 2**-7
+    margin. S^T = K Q^T as [BI slots x 64 heads] tiles (slots as wgmma's M, so a slot's sum over heads stays within a
+    quad of lanes). Two warpgroups take alternate top-k blocks, each with its own KV tile: a warpgroup issues the
+    copies of its next block as soon as its product has read the tile, and loads the indices of the block after
+    that meanwhile; both warpgroups' first copies go out before the q tile loads. A slot no row backs keeps whatever
+    its tile row gives and is never sent, so the arithmetic selects nothing per element.
 
-
-def build_lean(mode="lean", BI=64, dqk=576):
-    """The bound pass alone, lean (``--bound``'s ``lean``): bound1's bound, with S^T = K Q^T as [BI slots x 64 heads]
-    tiles (slots as wgmma's M, so a slot's sum over heads stays within a quad of lanes), P from it, and per slot
-    sum_h P (A_h |V_j| + B_h) with A_h = |scale| max|q_h| |dO_h| and B_h = |scale| max|q_h| |Delta_h| + max|dO_h| (bf16
-    P and dS included by a 2**-7 margin), added to its KV row as an int64 integer. Two warpgroups take alternate top-k
-    blocks, each with its own KV tile (cp.async); no dP, no P or dS in shared memory.
-
-    ``lean2``: each thread's indices for its warpgroup's next block are loaded while this block is gathered and
-    computed, and |V_j| is read after the block's copies are issued (``lean`` waits for both before its copies).
-    ``lean2g`` is lean2's gather alone (no product, no bound) and ``lean2c`` lean2 without gathers after each
-    warpgroup's first block: the two halves of its time.
-
-    ``lean3`` pipelines lean2: a warpgroup issues the copies of its next block as soon as its product has read the
-    tile, so they run under its own bound arithmetic as well as the other warpgroup's work (each warpgroup's rows and
-    |V_j| double-buffered); both warpgroups' first copies are issued before the q tile is loaded; and the bound
-    arithmetic no longer selects per element (a slot no row backs keeps whatever its tile row gives, and is never
-    sent).
-
-    ``lean4`` is lean3 with the bound's two sums kept apart, U_j = sum P A_h and W_j = sum P B_h (two int64 integers
-    a row, each with its own fixed point), so that B_j = |V_j| U_j + W_j is formed per row on the host: the kernel
-    reads no |V_j|, and A_h, B_h come from the ``prepab`` pass (with the sums that fix the two fixed points), not from
-    torch maxima over rows that a garbage row could inflate."""
+    Measured on the way (BENCHMARKS.md, 2026-12-01, at commit d55f5f5): ``lean`` (the previous session's, each block's
+    indices and |V_j| loaded before its copies), ``lean2`` (indices a block ahead), its halves ``lean2g`` / ``lean2c``,
+    ``lean3`` (pipelined copies, |V_j| read in the kernel)."""
     import tilelang.language as T
 
-    if mode not in LEAN_MODES:
-        raise ValueError(f"lean mode {mode!r}: one of {', '.join(LEAN_MODES)}")
-    prefetch = mode != "lean"
     HG = 64
     ROWS = 128 // 8  # rows a gather pass: 8 threads a row, 16 bytes each
     PASSES = BI // ROWS
@@ -385,15 +374,6 @@ def build_lean(mode="lean", BI=64, dqk=576):
     load_query, _ = WIDE.query_tiles(T, dqk, 0, HG)  # q only
 
     @T.macro
-    def heads_init(lse_f, a_f, b_f, Lse2, QMax, OMax, ONorm, Delta, b_i, s_i, h0, heads, sm_scale):
-        for h in T.Parallel(HG):
-            hh = T.min(h0 + h, heads - 1)
-            lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, hh], T.infinity(f32))
-            a_f[h] = T.if_then_else(h0 + h < heads, T.abs(sm_scale) * QMax[b_i, s_i, hh] * ONorm[b_i, s_i, hh], 0.0)
-            b_f[h] = T.if_then_else(h0 + h < heads, T.abs(sm_scale) * QMax[b_i, s_i, hh] * T.abs(Delta[b_i, s_i, hh])
-                                    + OMax[b_i, s_i, hh], 0.0)
-
-    @T.macro
     def prefetch_rows(nxt, Indices, b_i, s_i, kb, n_valid, t):
         # this thread's rows of block kb (its warpgroup's next), or -1 past the valid slots
         for r in T.unroll(PASSES):
@@ -401,55 +381,8 @@ def build_lean(mode="lean", BI=64, dqk=576):
             nxt[r] = T.if_then_else(slot < n_valid, Indices[b_i, s_i, T.max(T.min(slot, n_valid - 1), 0)], -1)
 
     @T.macro
-    def block(Q_shared, KVt, idx_s, vn_s, bs_s, acc, bsum, lse_f, a_f, b_f, KV, Indices, VNorm, RowBound, b_i, s_i,
-              kb, n_valid, seq_kv, t, w, c2, ex, nxt, jr):
-        T.sync_threads(14 + w, 128)  # this warpgroup is done with its previous block's tile and rows
-        for r in T.unroll(PASSES):
-            row = r * ROWS + t // 8
-            if prefetch:
-                jr[r] = T.if_then_else(T.And(nxt[r] >= 0, nxt[r] < seq_kv), nxt[r], -1)
-                # lean2c gathers only each warpgroup's first block
-                if T.And(jr[r] >= 0, kb < (2 if mode == "lean2c" else n_valid)):
-                    for u in T.serial(dqk // 64):
-                        T.ptx_cp_async(T.access_ptr(KVt[row, 64 * u + (t % 8) * 8], "w", 8),
-                                       T.access_ptr(KV[b_i, jr[r], 64 * u + (t % 8) * 8], "r", 8), 8)
-            else:
-                j0 = T.if_then_else(kb * BI + row < n_valid, Indices[b_i, s_i, T.min(kb * BI + row, n_valid - 1)],
-                                    -1)
-                jr[r] = T.if_then_else(T.And(j0 >= 0, j0 < seq_kv), j0, -1)
-                if t % 8 == 0:
-                    idx_s[w, row] = jr[r]
-                    vn_s[w, row] = T.if_then_else(jr[r] >= 0, VNorm[b_i, T.max(jr[r], 0)], 0.0)
-                if jr[r] >= 0:
-                    for u in T.serial(dqk // 64):
-                        T.ptx_cp_async(T.access_ptr(KVt[row, 64 * u + (t % 8) * 8], "w", 8),
-                                       T.access_ptr(KV[b_i, jr[r], 64 * u + (t % 8) * 8], "r", 8), 8)
-        T.ptx_commit_group()
-        if prefetch:
-            prefetch_rows(nxt, Indices, b_i, s_i, kb + 2, n_valid, t)
-            for r in T.unroll(PASSES):
-                if t % 8 == 0:
-                    idx_s[w, r * ROWS + t // 8] = jr[r]
-                    vn_s[w, r * ROWS + t // 8] = T.if_then_else(jr[r] >= 0, VNorm[b_i, T.max(jr[r], 0)], 0.0)
-        T.ptx_wait_group(0)
-        T.fence_proxy_async()
-        T.sync_threads(14 + w, 128)
-        if mode != "lean2g":
-            T.gemm(KVt, Q_shared, acc, transpose_B=True, clear_accum=True)
-            for j, h in T.Parallel(BI, HG):
-                acc[j, h] = T.if_then_else(idx_s[w, j] >= 0,
-                                           T.exp2(acc[j, h] * c2 - lse_f[h]) * (a_f[h] * vn_s[w, j] + b_f[h]), 0.0)
-            T.reduce_sum(acc, bsum, dim=1)
-            T.copy(bsum, bs_s[w, :])
-            T.sync_threads(14 + w, 128)
-            if t < BI:
-                if idx_s[w, t] >= 0:
-                    T.call_extern("handle", "smqa_red_u64", T.address_of(RowBound[b_i, idx_s[w, t]]),
-                                  T.cast(T.ceil(bs_s[w, t] * (1.0 + 2.0 ** -7) * ex), i64))
-
-    @T.macro
     def issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb, n_valid, seq_kv, t):
-        # lean3: the copies of block kb (rows from nxt), then nxt <- the rows of this warpgroup's block after it
+        # the copies of block kb (rows from nxt), then nxt <- the rows of this warpgroup's block after it
         for r in T.unroll(PASSES):
             jr[r] = T.if_then_else(T.And(nxt[r] >= 0, nxt[r] < seq_kv), nxt[r], -1)
             if jr[r] >= 0:
@@ -460,42 +393,16 @@ def build_lean(mode="lean", BI=64, dqk=576):
         prefetch_rows(nxt, Indices, b_i, s_i, kb + 2, n_valid, t)
 
     @T.macro
-    def publish(idx3, vn3, jr, VNorm, b_i, w, p, t):
-        # lean3: the rows issue() copied and their |V_j| (not lean4), for the bound arithmetic of that block (buffer p)
+    def publish(idx3, jr, w, p, t):
+        # the rows issue() copied, for the bound arithmetic of that block (buffer p)
         for r in T.unroll(PASSES):
             if t % 8 == 0:
                 idx3[w, p, r * ROWS + t // 8] = jr[r]
-                if VNorm is not None:
-                    vn3[w, p, r * ROWS + t // 8] = T.if_then_else(jr[r] >= 0, VNorm[b_i, T.max(jr[r], 0)], 0.0)
 
     @T.macro
-    def step(Q_shared, KVt, idx3, vn3, bs_s, acc, bsum, lse_f, a_f, b_f, KV, Indices, VNorm, RowBound, b_i, s_i,
-             i, n_valid, seq_kv, t, w, c2, ex, nxt, jr):
-        # lean3, this warpgroup's i-th block (kb = 2 i + w; its copies were issued one step earlier)
-        kb = 2 * i + w
-        p = i % 2
-        if i > 0:
-            T.ptx_wait_group(0)
-            T.fence_proxy_async()
-            T.sync_threads(14 + w, 128)
-        T.gemm(KVt, Q_shared, acc, transpose_B=True, clear_accum=True)
-        T.sync_threads(14 + w, 128)  # every warp's share of the product has read the tile
-        issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb + 2, n_valid, seq_kv, t)
-        for j, h in T.Parallel(BI, HG):
-            acc[j, h] = T.exp2(acc[j, h] * c2 - lse_f[h]) * (a_f[h] * vn3[w, p, j] + b_f[h])
-        T.reduce_sum(acc, bsum, dim=1)
-        T.copy(bsum, bs_s[w, :])
-        T.sync_threads(14 + w, 128)
-        if t < BI:
-            if idx3[w, p, t] >= 0:
-                T.call_extern("handle", "smqa_red_u64", T.address_of(RowBound[b_i, idx3[w, p, t]]),
-                              T.cast(T.ceil(bs_s[w, t] * (1.0 + 2.0 ** -7) * ex), i64))
-        publish(idx3, vn3, jr, VNorm, b_i, w, 1 - p, t)
-
-    @T.macro
-    def step4(Q_shared, KVt, idx3, bs_s, acc, accw, bsum, bsumw, lse_f, a_f, b_f, KV, Indices, RowU, RowW, b_i, s_i,
+    def step(Q_shared, KVt, idx3, bs_s, acc, accw, bsum, bsumw, lse_f, a_f, b_f, KV, Indices, RowU, RowW, b_i, s_i,
               i, n_valid, seq_kv, t, w, c2, exu, exw, nxt, jr):
-        # lean4, this warpgroup's i-th block: lean3's step with the two sums apart
+        # this warpgroup's i-th block (kb = 2 i + w; its copies were issued one step earlier)
         kb = 2 * i + w
         p = i % 2
         if i > 0:
@@ -520,7 +427,7 @@ def build_lean(mode="lean", BI=64, dqk=576):
                               T.cast(T.ceil(bs_s[w, 0, t] * (1.0 + 2.0 ** -7) * exu), i64))
                 T.call_extern("handle", "smqa_red_u64", T.address_of(RowW[b_i, idx3[w, p, t]]),
                               T.cast(T.ceil(bs_s[w, 1, t] * (1.0 + 2.0 ** -7) * exw), i64))
-        publish(idx3, None, jr, None, b_i, w, 1 - p, t)
+        publish(idx3, jr, w, 1 - p, t)
 
     @T.prim_func
     def lean_bound4(
@@ -565,7 +472,7 @@ def build_lean(mode="lean", BI=64, dqk=576):
             else:
                 issue(KV1, KV, nxt, jr, Indices, b_i, s_i, 1, n_valid, seq_kv, tx - 128)
             load_query(Q, None, Q_shared, None, b_i, s_i, h0, heads, tx)
-            publish(idx3, None, jr, None, b_i, tx // 128, 0, tx % 128)
+            publish(idx3, jr, tx // 128, 0, tx % 128)
             T.ptx_wait_group(0)
             T.fence_proxy_async()
             T.sync_threads()
@@ -576,7 +483,7 @@ def build_lean(mode="lean", BI=64, dqk=576):
                     a0[h] = T.if_then_else(h0 + h < heads, A[b_i, s_i, hh], 0.0)
                     b0[h] = T.if_then_else(h0 + h < heads, Bc[b_i, s_i, hh], 0.0)
                 for i in T.serial(T.ceildiv(n_blk, 2)):
-                    step4(Q_shared, KV0, idx3, bs_s, acc0, accw0, bsum0, bsumw0, lse0, a0, b0, KV, Indices, RowU,
+                    step(Q_shared, KV0, idx3, bs_s, acc0, accw0, bsum0, bsumw0, lse0, a0, b0, KV, Indices, RowU,
                           RowW, b_i, s_i, i, n_valid, seq_kv, tx, 0, c2, exu, exw, nxt, jr)
             else:
                 for h in T.Parallel(HG):
@@ -585,227 +492,10 @@ def build_lean(mode="lean", BI=64, dqk=576):
                     a1[h] = T.if_then_else(h0 + h < heads, A[b_i, s_i, hh], 0.0)
                     b1[h] = T.if_then_else(h0 + h < heads, Bc[b_i, s_i, hh], 0.0)
                 for i in T.serial(n_blk // 2):
-                    step4(Q_shared, KV1, idx3, bs_s, acc1, accw1, bsum1, bsumw1, lse1, a1, b1, KV, Indices, RowU,
+                    step(Q_shared, KV1, idx3, bs_s, acc1, accw1, bsum1, bsumw1, lse1, a1, b1, KV, Indices, RowU,
                           RowW, b_i, s_i, i, n_valid, seq_kv, tx - 128, 1, c2, exu, exw, nxt, jr)
 
-    @T.prim_func
-    def lean_bound3(
-        Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
-        KV: T.Tensor([batch, seq_kv, dqk], bf16),
-        Indices: T.Tensor([batch, seq_len, topk], i32),
-        TopkLen: T.Tensor([batch, seq_len], i32),
-        Lse2: T.Tensor([batch, seq_len, heads], f32),
-        Delta: T.Tensor([batch, seq_len, heads], f32),
-        QMax: T.Tensor([batch, seq_len, heads], f32),
-        OMax: T.Tensor([batch, seq_len, heads], f32),
-        ONorm: T.Tensor([batch, seq_len, heads], f32),
-        VNorm: T.Tensor([batch, seq_kv], f32),
-        Rows: T.Tensor([n_rows], i32),
-        Ex: T.Tensor([1], f32),
-        RowBound: T.Tensor([batch, seq_kv], i64),
-        sm_scale: f32,
-    ):
-        groups = T.ceildiv(heads, HG)
-        with T.Kernel(n_rows, batch, groups, threads=256, prelude=WIDE.PRELUDE) as (bx, by, bz):
-            Q_shared = T.alloc_shared([HG, dqk], bf16)
-            KV0 = T.alloc_shared([BI, dqk], bf16)
-            KV1 = T.alloc_shared([BI, dqk], bf16)
-            idx3 = T.alloc_shared([2, 2, BI], i32)
-            vn3 = T.alloc_shared([2, 2, BI], f32)
-            bs_s = T.alloc_shared([2, BI], f32)
-            acc0, acc1 = T.alloc_fragment([BI, HG], f32), T.alloc_fragment([BI, HG], f32)
-            bsum0, bsum1 = T.alloc_fragment([BI], f32), T.alloc_fragment([BI], f32)
-            lse0, lse1 = T.alloc_fragment([HG], f32), T.alloc_fragment([HG], f32)
-            a0, a1 = T.alloc_fragment([HG], f32), T.alloc_fragment([HG], f32)
-            b0, b1 = T.alloc_fragment([HG], f32), T.alloc_fragment([HG], f32)
-            nxt = T.alloc_local([PASSES], i32)
-            jr = T.alloc_local([PASSES], i32)
-            tx = T.get_thread_binding()
-            b_i, s_i, h0 = by, Rows[bx], bz * HG
-            c2 = sm_scale * log2e
-            ex = Ex[0]
-            n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
-            n_blk = T.ceildiv(n_valid, BI)
-            # each warpgroup's first copies go out before the q tile is loaded
-            prefetch_rows(nxt, Indices, b_i, s_i, tx // 128, n_valid, tx % 128)
-            if tx < 128:
-                issue(KV0, KV, nxt, jr, Indices, b_i, s_i, 0, n_valid, seq_kv, tx)
-            else:
-                issue(KV1, KV, nxt, jr, Indices, b_i, s_i, 1, n_valid, seq_kv, tx - 128)
-            load_query(Q, None, Q_shared, None, b_i, s_i, h0, heads, tx)
-            publish(idx3, vn3, jr, VNorm, b_i, tx // 128, 0, tx % 128)
-            T.ptx_wait_group(0)
-            T.fence_proxy_async()
-            T.sync_threads()
-            if tx < 128:
-                heads_init(lse0, a0, b0, Lse2, QMax, OMax, ONorm, Delta, b_i, s_i, h0, heads, sm_scale)
-                for i in T.serial(T.ceildiv(n_blk, 2)):
-                    step(Q_shared, KV0, idx3, vn3, bs_s, acc0, bsum0, lse0, a0, b0, KV, Indices, VNorm, RowBound,
-                         b_i, s_i, i, n_valid, seq_kv, tx, 0, c2, ex, nxt, jr)
-            else:
-                heads_init(lse1, a1, b1, Lse2, QMax, OMax, ONorm, Delta, b_i, s_i, h0, heads, sm_scale)
-                for i in T.serial(n_blk // 2):
-                    step(Q_shared, KV1, idx3, vn3, bs_s, acc1, bsum1, lse1, a1, b1, KV, Indices, VNorm, RowBound,
-                         b_i, s_i, i, n_valid, seq_kv, tx - 128, 1, c2, ex, nxt, jr)
-
-    @T.prim_func
-    def lean_bound(
-        Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
-        KV: T.Tensor([batch, seq_kv, dqk], bf16),
-        Indices: T.Tensor([batch, seq_len, topk], i32),
-        TopkLen: T.Tensor([batch, seq_len], i32),
-        Lse2: T.Tensor([batch, seq_len, heads], f32),
-        Delta: T.Tensor([batch, seq_len, heads], f32),
-        QMax: T.Tensor([batch, seq_len, heads], f32),
-        OMax: T.Tensor([batch, seq_len, heads], f32),
-        ONorm: T.Tensor([batch, seq_len, heads], f32),
-        VNorm: T.Tensor([batch, seq_kv], f32),
-        Rows: T.Tensor([n_rows], i32),
-        Ex: T.Tensor([1], f32),
-        RowBound: T.Tensor([batch, seq_kv], i64),
-        sm_scale: f32,
-    ):
-        groups = T.ceildiv(heads, HG)
-        with T.Kernel(n_rows, batch, groups, threads=256, prelude=WIDE.PRELUDE) as (bx, by, bz):
-            Q_shared = T.alloc_shared([HG, dqk], bf16)
-            KV0 = T.alloc_shared([BI, dqk], bf16)
-            KV1 = T.alloc_shared([BI, dqk], bf16)
-            idx_s = T.alloc_shared([2, BI], i32)
-            vn_s = T.alloc_shared([2, BI], f32)
-            bs_s = T.alloc_shared([2, BI], f32)
-            # one set of fragments a warpgroup (a fragment's layout binds it to one warpgroup's threads)
-            acc0, acc1 = T.alloc_fragment([BI, HG], f32), T.alloc_fragment([BI, HG], f32)
-            bsum0, bsum1 = T.alloc_fragment([BI], f32), T.alloc_fragment([BI], f32)
-            lse0, lse1 = T.alloc_fragment([HG], f32), T.alloc_fragment([HG], f32)
-            a0, a1 = T.alloc_fragment([HG], f32), T.alloc_fragment([HG], f32)
-            b0, b1 = T.alloc_fragment([HG], f32), T.alloc_fragment([HG], f32)
-            nxt = T.alloc_local([PASSES], i32)  # this thread's rows of its warpgroup's next block (lean2)
-            jr = T.alloc_local([PASSES], i32)
-            tx = T.get_thread_binding()
-            b_i, s_i, h0 = by, Rows[bx], bz * HG
-            c2 = sm_scale * log2e
-            ex = Ex[0]
-            n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
-            n_blk = T.ceildiv(n_valid, BI)
-            if prefetch:
-                prefetch_rows(nxt, Indices, b_i, s_i, tx // 128, n_valid, tx % 128)
-            load_query(Q, None, Q_shared, None, b_i, s_i, h0, heads, tx)
-            T.fence_proxy_async()
-            T.sync_threads()
-            if tx < 128:
-                heads_init(lse0, a0, b0, Lse2, QMax, OMax, ONorm, Delta, b_i, s_i, h0, heads, sm_scale)
-                for i in T.serial(T.ceildiv(n_blk, 2)):
-                    block(Q_shared, KV0, idx_s, vn_s, bs_s, acc0, bsum0, lse0, a0, b0, KV, Indices, VNorm, RowBound,
-                          b_i, s_i, 2 * i, n_valid, seq_kv, tx, 0, c2, ex, nxt, jr)
-            else:
-                heads_init(lse1, a1, b1, Lse2, QMax, OMax, ONorm, Delta, b_i, s_i, h0, heads, sm_scale)
-                for i in T.serial(n_blk // 2):
-                    block(Q_shared, KV1, idx_s, vn_s, bs_s, acc1, bsum1, lse1, a1, b1, KV, Indices, VNorm, RowBound,
-                          b_i, s_i, 2 * i + 1, n_valid, seq_kv, tx - 128, 1, c2, ex, nxt, jr)
-
-    return {"lean3": lean_bound3, "lean4": lean_bound4}.get(mode, lean_bound)
-
-
-def build_prep(ab=False, dqk=576, dv=512, HB=4):
-    """Design (a)'s prep pass (``prep``): today's ``bwd_prep`` pass over q, out and dO (one block a query row, HB heads
-    a step, 128 threads), writing per query and head what the bound pass reads instead of folding it into one
-    bound: Delta, max|q_h|, max|dO_h| and |dO_h| (2-norm). Today's prep adds a torch scatter over the indices (the
-    rows some slot names, for its Vmax) that per-row bounds do not need: a row no slot names gets no term.
-
-    ``ab`` (``prepab``, for ``lean4``): Delta and the bound's per-head factors A_h = |scale| max|q_h| |dO_h| and
-    B_h = |scale| max|q_h| |Delta_h| + max|dO_h|, with each query's sums of A_h and of B_h over its heads (fixed
-    order), from which the host fixes the two row sums' fixed points."""
-    import tilelang.language as T
-
-    tail = dqk - dv
-    batch, seq_len, heads = T.dynamic("batch, seq_len, heads")
-    bf16, f32 = T.bfloat16, T.float32
-
-    @T.macro
-    def head_step(Q, O, dO, o, g, g2, q, delta, gn2, gmax, qmax, bx, by, h0, heads):
-        for i, d in T.Parallel(HB, dv):
-            o[i, d] = T.if_then_else(h0 + i < heads, T.cast(O[by, bx, h0 + i, d], f32), 0.0)
-            g[i, d] = T.if_then_else(h0 + i < heads, T.cast(dO[by, bx, h0 + i, d], f32), 0.0)
-        for i, d in T.Parallel(HB, dv):
-            q[i, d] = T.if_then_else(h0 + i < heads, T.abs(T.cast(Q[by, bx, h0 + i, d], f32)), 0.0)
-        for i, d in T.Parallel(HB, dv):
-            if d < tail:
-                q[i, d] = T.max(q[i, d], T.if_then_else(
-                    h0 + i < heads, T.abs(T.cast(Q[by, bx, h0 + i, dv + d], f32)), 0.0))
-        for i, d in T.Parallel(HB, dv):
-            g2[i, d] = g[i, d] * g[i, d]
-            o[i, d] = o[i, d] * g[i, d]
-            g[i, d] = T.abs(g[i, d])
-        T.reduce_sum(o, delta, dim=1)
-        T.reduce_sum(g2, gn2, dim=1)
-        T.reduce_max(g, gmax, dim=1)
-        T.reduce_max(q, qmax, dim=1)
-
-    @T.prim_func
-    def prep_a(
-        Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
-        O: T.Tensor([batch, seq_len, heads, dv], bf16),
-        dO: T.Tensor([batch, seq_len, heads, dv], bf16),
-        Delta: T.Tensor([batch, seq_len, heads], f32),
-        QMax: T.Tensor([batch, seq_len, heads], f32),
-        OMax: T.Tensor([batch, seq_len, heads], f32),
-        ONorm: T.Tensor([batch, seq_len, heads], f32),
-    ):
-        with T.Kernel(seq_len, batch, threads=128) as (bx, by):
-            o, g = T.alloc_fragment([HB, dv], f32), T.alloc_fragment([HB, dv], f32)
-            g2, q = T.alloc_fragment([HB, dv], f32), T.alloc_fragment([HB, dv], f32)
-            delta, gn2 = T.alloc_fragment([HB], f32), T.alloc_fragment([HB], f32)
-            gmax, qmax = T.alloc_fragment([HB], f32), T.alloc_fragment([HB], f32)
-            for hs in T.serial(T.ceildiv(heads, HB)):
-                h0 = hs * HB
-                head_step(Q, O, dO, o, g, g2, q, delta, gn2, gmax, qmax, bx, by, h0, heads)
-                for i in T.Parallel(HB):
-                    if h0 + i < heads:
-                        Delta[by, bx, h0 + i] = delta[i]
-                        QMax[by, bx, h0 + i] = qmax[i]
-                        OMax[by, bx, h0 + i] = gmax[i]
-                        ONorm[by, bx, h0 + i] = T.sqrt(gn2[i])
-
-    @T.prim_func
-    def prep_ab(
-        Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
-        O: T.Tensor([batch, seq_len, heads, dv], bf16),
-        dO: T.Tensor([batch, seq_len, heads, dv], bf16),
-        Delta: T.Tensor([batch, seq_len, heads], f32),
-        A: T.Tensor([batch, seq_len, heads], f32),
-        Bc: T.Tensor([batch, seq_len, heads], f32),
-        Sums: T.Tensor([2, batch, seq_len], f32),
-        sm_scale: f32,
-    ):
-        with T.Kernel(seq_len, batch, threads=128) as (bx, by):
-            o, g = T.alloc_fragment([HB, dv], f32), T.alloc_fragment([HB, dv], f32)
-            g2, q = T.alloc_fragment([HB, dv], f32), T.alloc_fragment([HB, dv], f32)
-            delta, gn2 = T.alloc_fragment([HB], f32), T.alloc_fragment([HB], f32)
-            gmax, qmax = T.alloc_fragment([HB], f32), T.alloc_fragment([HB], f32)
-            terms = T.alloc_shared([2, HB], f32)  # per position in a step, summed over the steps in order
-            tx = T.get_thread_binding()
-            for i in T.Parallel(HB):
-                terms[0, i] = 0.0
-                terms[1, i] = 0.0
-            for hs in T.serial(T.ceildiv(heads, HB)):
-                h0 = hs * HB
-                head_step(Q, O, dO, o, g, g2, q, delta, gn2, gmax, qmax, bx, by, h0, heads)
-                for i in T.Parallel(HB):
-                    if h0 + i < heads:
-                        Delta[by, bx, h0 + i] = delta[i]
-                        A[by, bx, h0 + i] = T.abs(sm_scale) * qmax[i] * T.sqrt(gn2[i])
-                        Bc[by, bx, h0 + i] = T.abs(sm_scale) * qmax[i] * T.abs(delta[i]) + gmax[i]
-                        terms[0, i] += T.abs(sm_scale) * qmax[i] * T.sqrt(gn2[i])
-                        terms[1, i] += T.abs(sm_scale) * qmax[i] * T.abs(delta[i]) + gmax[i]
-            T.sync_threads()
-            if tx < 2:
-                total = T.alloc_var(f32)
-                total = 0.0
-                for i in T.serial(HB):
-                    total += terms[tx, i]
-                Sums[tx, by, bx] = total
-
-    return prep_ab if ab else prep_a
+    return lean_bound4
 
 
 def build_prepw(dqk=576, dv=512, WPB=8):
@@ -947,17 +637,8 @@ def build_convert(dqk=576, BJ=8):
     return convert
 
 
-def prep_ab(kp, t):
-    """``prepab`` and the rest of lean4's inputs: (Delta, A, Bc, Lse2, Ex), Ex the fixed points of U and W."""
-    B, S, H, _ = t.q.shape
-    delta, A, Bc = (torch.empty(B, S, H, dtype=torch.float32, device="cuda") for _ in range(3))
-    sums = torch.empty(2, B, S, dtype=torch.float32, device="cuda")
-    kp(t.q, t.out, t.go, delta, A, Bc, sums, t.sm)
-    return delta, A, Bc, contract.lse_to_base2(t.lse, t.sink).contiguous(), uw_fixed_points(sums)
-
-
 def prep_w(kp, t):
-    """``prepw`` and the rest of lean4's inputs, as ``prep_ab``."""
+    """``prepw`` and the rest of the bound pass's inputs: (Delta, A, Bc, Lse2, Ex), Ex the fixed points of U and W."""
     B, S, H, _ = t.q.shape
     delta, A, Bc = (torch.empty(B, S, H, dtype=torch.float32, device="cuda") for _ in range(3))
     sums = torch.empty(2, B, S, -(-H // 8), dtype=torch.float32, device="cuda")
@@ -981,26 +662,15 @@ def row_scales_uw(U, W, ex, vnorm):
             torch.where(named, torch.exp2(-f), torch.ones_like(f))), b
 
 
-def prep_a(kp, t):
-    """Design (a)'s prep: the ``prep`` kernel, |V_j| and the base-2 LSE (torch); returns (Delta, QMax, OMax, ONorm,
-    VNorm, Lse2)."""
-    B, S, H, _ = t.q.shape
-    outs = [torch.empty(B, S, H, dtype=torch.float32, device="cuda") for _ in range(4)]
-    kp(t.q, t.out, t.go, *outs)
-    vnorm = t.kv[..., :512].float().norm(dim=-1)
-    return (*outs, vnorm, contract.lse_to_base2(t.lse, t.sink).contiguous())
-
-
 def compiled(which: str, bi: int = 32, dims=(576, 512)):
-    """``which``: "a" (kernel A), "b" (kernel B at ``bi`` slots a block), a bound-only kernel A mode, a lean mode,
-    a prep pass ("prep", "prepab", "prepw"), "scales" or "convert"; design (a)'s kernels (lean modes, "prepw",
-    "scales", "convert") for any (Dqk, Dv) ``dims``, the others for 576 / 512."""
+    """``which``: "a" (kernel A), "b" (kernel B at ``bi`` slots a block), a bound-only kernel A mode, or design (a)'s
+    "prepw", "lean4" (the bound pass), "scales", "convert"; design (a)'s for any (Dqk, Dv) ``dims``, the others for
+    576 / 512."""
     import tilelang
 
     from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET
     dqk, dv = dims
-    program = (build_b(bi) if which == "b" else build_lean(which, dqk=dqk) if which in LEAN_MODES
-               else build_prep(which == "prepab") if which in ("prep", "prepab")
+    program = (build_b(bi) if which == "b" else build_bound(dqk=dqk) if which == "lean4"
                else build_prepw(dqk, dv) if which == "prepw" else build_scales(dqk, dv) if which == "scales"
                else build_convert(dqk) if which == "convert"
                else build_a("full" if which == "a" else which))
@@ -1039,11 +709,10 @@ def main(argv=None):
     p.add_argument("--b-only", action="store_true", help="kernel B alone on random P and dS, against torch in float64")
     p.add_argument("--bound", action="store_true", help="the bound kernels (--kernels) and design (a)'s prep alone, "
                    "and their per-row bounds against today's exact dkv")
-    p.add_argument("--kernels", default="lean,lean2,lean2g,lean2c", help="--bound's kernels: kernel A modes "
-                   f"({', '.join(A_MODES[1:])}) and lean modes ({', '.join(LEAN_MODES)})")
+    p.add_argument("--kernels", default="lean4", help=f"--bound's kernels: lean4 and kernel A's bound modes "
+                   f"({', '.join(A_MODES[1:])})")
     p.add_argument("--pipeline", action="store_true", help="design (a) end to end (prep, bound pass, main kernel, "
                    "conversion) beside today's call")
-    p.add_argument("--pipe-prep", default="prepw", choices=("prepab", "prepw"), help="--pipeline's prep pass")
     p.add_argument("--pipe-tail", default="kernels", choices=("torch", "kernels"), help="--pipeline's row scales and "
                    "conversion")
     p.add_argument("--cudnn", action="store_true", help="--pipeline: time cuDNN's backward in the same process")
@@ -1051,11 +720,9 @@ def main(argv=None):
                    help="--pipeline's main kernel (probe_wide_backward.py's variant)")
     a = p.parse_args(argv)
     if a.bound or a.pipeline:
-        names = a.kernels.split(",") if a.bound else []
-        names = ["prep", *(["prepab"] if "lean4" in names else []), *names]
-        kbs = {m: compiled(m) for m in names}
+        kbs = {m: compiled(m) for m in ("prepw", *a.kernels.split(","))} if a.bound else {}
         if a.pipeline:
-            pipe = (compiled(a.pipe_prep), compiled("lean4"), WIDE.compiled(a.pipe_main),
+            pipe = (compiled("prepw"), compiled("lean4"), WIDE.compiled(a.pipe_main),
                     (compiled("scales"), compiled("convert")) if a.pipe_tail == "kernels" else None)
         if torch.cuda.is_available():
             for name in a.shapes:
@@ -1129,83 +796,57 @@ def norms(t):
     return t.go.float().norm(dim=-1).contiguous(), t.kv[..., :512].float().norm(dim=-1).contiguous()
 
 
-def bound_scale(qmax, omax, onorm, delta, vnorm, sm):
-    """The int64 row bounds' fixed point (float32 [1]): 2**(62 - ceil(log2 G)) with G = sum over queries and heads of
-    A_h max|V| + B_h, over every row's bound (non-finite |V_j| left out: a row no slot names holds anything; a huge
-    finite one only coarsens the bounds, which round up)."""
-    vmax = torch.where(torch.isfinite(vnorm), vnorm, torch.zeros_like(vnorm)).amax()
-    g = (abs(sm) * qmax * (onorm * vmax + delta.abs()) + omax).sum()
-    return torch.exp2(62 - torch.ceil(torch.log2(g))).reshape(1).float()
-
-
 def bound_only(kbs, t, name, a):
-    """The bound kernels (kernel A modes, lean modes), timed alone on the inputs they read, and how far each row's
-    bound B_j sits above that row's largest exact |dkv| entry (log2; the bits a per-row int32 scale gives away),
-    against today's exact dkv. Today's prep and design (a)'s (``prep``) timed beside them."""
+    """Design (a)'s prep pass and bound pass (and kernel A's bound modes, when asked for), timed alone on the inputs
+    they read, and how far each row's bound B_j sits above that row's largest exact |dkv| entry (log2; the bits a
+    per-row int32 scale gives away), against today's exact dkv; today's prep timed beside them."""
     B, S, H, _ = t.q.shape
     from sparse_mqa_kernels import backward
     prep_ms = WIDE.time_ms(lambda: backward._prep(t.q, t.kv, t.out, t.go, t.lse, t.sink, t.idx, t.tl, t.sm, 512),
                            a.iters)
-    kp = kbs.pop("prep")
-    prep_a_ms = WIDE.time_ms(lambda: prep_a(kp, t), a.iters)
-    delta, qmax, omax, onorm, vnorm, lse2 = prep_a(kp, t)
-    same = (torch.equal(delta, t.delta), torch.equal(qmax, t.q.abs().amax(-1).float()),
-            torch.equal(omax, t.go.abs().amax(-1).float()))
-    print(f"{name}: today's prep {prep_ms:.3f} ms; design (a)'s prep {prep_a_ms:.3f} ms (Delta, max|q|, max|dO| "
-          f"bitwise equal to today's / torch's: {same}; |dO_h| against torch: max rel. "
-          f"{((onorm - t.go.float().norm(dim=-1)).abs() / onorm).max().item():.1e})", flush=True)
-    ex = bound_scale(qmax, omax, onorm, delta, vnorm, t.sm)
+    kp = kbs.pop("prepw")
+    prepw_ms = WIDE.time_ms(lambda: prep_w(kp, t), a.iters)
+    delta, A, Bc, lse2, ex = prep_w(kp, t)
+    print(f"{name}: today's prep {prep_ms:.3f} ms; prepw (with the kernel LSE and the fixed points) {prepw_ms:.3f} "
+          f"ms; its Delta against today's: max rel. {((delta - t.delta).abs().max() / t.delta.abs().max()).item():.1e}",
+          flush=True)
+    onorm, vnorm = norms(t)
+    qmax, omax = t.q.abs().amax(-1).float(), t.go.abs().amax(-1).float()
+    ex_a = t.fx / 4  # kernel A's row bounds as int64 below 2**60 (bwd_plan's bound G, 2**F G <= 2**60)
     rmax = t.exact.abs().amax(-1)
     named = rmax > 0
     # (kernel A's dq, P and dS arguments: bound-only modes leave them unwritten)
     dq, unused = torch.empty_like(t.q), torch.empty(B, S, H, t.L, dtype=torch.bfloat16, device="cuda")
     bounds = {}
-    kab = kbs.pop("prepab", None)
     for mode, k in kbs.items():
-        row_bound = torch.zeros(B, t.Skv, dtype=torch.int64, device="cuda")
-        if mode == "lean4":
-            d4, A, Bc, l4, ex4 = prep_ab(kab, t)
-            vn4 = t.kv[..., :512].float().norm(dim=-1)
-            print(f"  prepab's Delta bitwise equal to prep's: {torch.equal(d4, delta)}", flush=True)
-            row_w = torch.zeros_like(row_bound)
+        row_u = torch.zeros(B, t.Skv, dtype=torch.int64, device="cuda")
+        row_w = torch.zeros_like(row_u)
 
         def call():
             if mode == "lean4":
-                k(t.q, t.kv, t.idx, t.tl, l4, A, Bc, t.rows, ex4, row_bound, row_w, t.sm)
-            elif mode in LEAN_MODES:
-                k(t.q, t.kv, t.idx, t.tl, lse2, delta, qmax, omax, onorm, vnorm, t.rows, ex, row_bound, t.sm)
+                k(t.q, t.kv, t.idx, t.tl, lse2, A, Bc, t.rows, ex, row_u, row_w, t.sm)
             else:
-                k(t.q, t.kv, t.go, t.idx, t.tl, lse2, delta, qmax, omax, t.rows, ex, dq, unused, unused,
-                  row_bound, onorm, vnorm, t.sm)
+                k(t.q, t.kv, t.go, t.idx, t.tl, lse2, delta, qmax, omax, t.rows, ex_a, dq, unused, unused,
+                  row_u, onorm, vnorm, t.sm)
         ms = WIDE.time_ms(call, a.iters)
-        if mode in ("lean2g", "lean2c"):  # the halves of lean2's time: their bounds mean nothing
-            print(f"  {mode}: {ms:.3f} ms", flush=True)
-            continue
-        row_bound.zero_()
-        if mode == "lean4":
-            row_w.zero_()
+        row_u.zero_()
+        row_w.zero_()
         call()
-        bj = bounds[mode] = (row_scales_uw(row_bound, row_w, ex4, vn4)[1] if mode == "lean4"
-                             else row_bound.double() / ex.double())
+        bj = bounds[mode] = (row_scales_uw(row_u, row_w, ex, vnorm)[1] if mode == "lean4"
+                             else row_u.double() / ex_a.double())
         gap = torch.log2(bj[named] / rmax[named])
         q = torch.quantile(gap.float(), torch.tensor([0.5, 0.99], device="cuda"))
         print(f"  {mode}: {ms:.3f} ms; log2(B_j / max|dkv_j|) min {gap.min().item():.2f} median {q[0].item():.2f} "
               f"p99 {q[1].item():.2f} max {gap.max().item():.2f} over {int(named.sum())} named rows", flush=True)
-    if "lean" in bounds and "bound1" in bounds:
-        r = torch.log2(bounds["lean"][named] / bounds["bound1"][named])
-        print(f"  lean against bound1 (same bound, a 2**-7 margin): log2 ratio {r.min().item():.4f} .. "
+    if "lean4" in bounds and "bound1" in bounds:
+        r = torch.log2(bounds["lean4"][named] / bounds["bound1"][named])
+        print(f"  lean4 against bound1 (the same bound, a 2**-7 margin): log2 ratio {r.min().item():.4f} .. "
               f"{r.max().item():.4f}", flush=True)
-    if "lean" in bounds and "lean2" in bounds:
-        print(f"  lean2's bounds bitwise equal to lean's: {torch.equal(bounds['lean'], bounds['lean2'])}", flush=True)
-    if "lean4" in bounds and "lean2" in bounds:
-        r = torch.log2(bounds["lean4"][named] / bounds["lean2"][named])
-        print(f"  lean4 against lean2 (the same bound, summed apart): log2 ratio {r.min().item():.5f} .. "
-              f"{r.max().item():.5f}", flush=True)
 
 
 def pipeline(kp, kl, ks, tail, t, name, a):
-    """Design (a) end to end: the prep pass (``--pipe-prep``) and the fixed points of the bound's two sums, the
-    ``lean4`` bound pass, the row scales, the main kernel (``--pipe-main``, a ``probe_wide_backward.py`` variant:
+    """Design (a) end to end: the ``prepw`` pass and the fixed points of the bound's two sums, the ``lean4`` bound
+    pass, the row scales, the main kernel (``--pipe-main``, a ``probe_wide_backward.py`` variant:
     int32 per KV row) and the conversion to bf16, the last two steps in torch or as the ``scales`` and ``convert``
     kernels (``--pipe-tail``). The whole call is timed as today's call (and cuDNN's, ``--cudnn``) is, in the same
     process; each stage's GPU time is taken with CUDA events on calls queued behind a sleep, so the host's launches
@@ -1213,12 +854,11 @@ def pipeline(kp, kl, ks, tail, t, name, a):
     from sparse_mqa_kernels import backward
     B, S, H, Dqk = t.q.shape
     keep = torch.zeros((B, Dqk), dtype=torch.float32, device="cuda")
-    prep = prep_w if a.pipe_prep == "prepw" else prep_ab
 
     def call(ev=None):
         mark = (lambda k: ev[k].record()) if ev else (lambda k: None)
         mark(0)
-        delta, A, Bc, lse2, ex = prep(kp, t)
+        delta, A, Bc, lse2, ex = prep_w(kp, t)
         mark(1)
         row_u = torch.zeros(B, t.Skv, dtype=torch.int64, device="cuda")
         row_w = torch.zeros_like(row_u)
