@@ -716,7 +716,7 @@ def main(argv=None):
     p.add_argument("--pipe-tail", default="kernels", choices=("torch", "kernels"), help="--pipeline's row scales and "
                    "conversion")
     p.add_argument("--cudnn", action="store_true", help="--pipeline: time cuDNN's backward in the same process")
-    p.add_argument("--pipe-main", default="48/sender2", choices=("48/sender", "48/sender2", "48/sender3"),
+    p.add_argument("--pipe-main", default="48/sender2", choices=("48/sender", "48/sender2"),
                    help="--pipeline's main kernel (probe_wide_backward.py's variant)")
     a = p.parse_args(argv)
     if a.bound or a.pipeline:

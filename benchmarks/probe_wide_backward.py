@@ -22,12 +22,11 @@ holds an int32 staging buffer. A variant ``BI/mode``:
   the rows' scales with the rows.
 - ``sender2``: as ``sender``, each block's KV rows read from the indices during the block before (after its copies
   are issued) and their scales after its products, so neither load waits in front of the block's copies.
-- ``sender3``: as ``sender2``, WG0 issues the first block's copies while the other warpgroups load the q and dO tiles
-  (its slots without a row zeroed by the threads that would copy them, instead of the whole tile beforehand).
 
 Send paths measured and dropped (BENCHMARKS.md, 2026-12-01 17:59-18:31 UTC, at commit 2f9abda): an unrolled ``line``
 without the memory clobber, a sender that forms row pointers every chunk, staging in an opaque helper, a 288 / 288 dq
-split with two chunks in flight.
+split with two chunks in flight; and (19:49 UTC, at commit d0bce4a) ``sender3``, WG0 issuing the first block's copies
+while the other warpgroups load q and dO: slower.
 
 Today's kernel (``sparse_mqa_kernels.backward``, int64 with one F a call) runs beside it on the same inputs. dq is
 compared bit for bit with today's; a sending variant's dkv is compared with today's exact one, with per-row scales
@@ -157,8 +156,7 @@ def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256):
 def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     import tilelang.language as T
 
-    prefetch = mode in ("sender2", "sender3")  # sender, each block's rows and scales loaded during the block before
-    early = mode == "sender3"  # and the first block's copies issued before the q and dO tiles load
+    prefetch = mode == "sender2"  # sender, each block's rows and scales loaded during the block before
     reds = "none_t" if (mode == "none" and BI < 64) else "sender" if prefetch else mode
     if BI not in (32, 48, 64) or mode not in MODES:
         raise ValueError(f"variant {BI}/{mode}: BI is 32, 48 or 64 and mode one of {', '.join(MODES)}")
@@ -174,7 +172,6 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     CHUNKS = dqk // 64
     threads = 384 if reds == "sender" else 256
     load_query, zero_rows = query_tiles(T, dqk, dv, HG, threads)
-    load_query_rest, _ = query_tiles(T, dqk, dv, HG, threads - 128)  # sender3: by the two warpgroups past WG0
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
@@ -245,27 +242,8 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
             c2 = sm_scale * log2e
             n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
             n_blk = T.ceildiv(n_valid, BI)
-            if early:
-                # WG0 sends the first block's copies while the other two warpgroups load the q and dO tiles; the
-                # block's slots without a row are zeroed by the threads that would copy them (later blocks keep
-                # finite stale rows there)
-                if tx < 128:
-                    next_rows(idx_n, Indices, b_i, s_i, 0, n_valid, tx)
-                    for r in T.unroll(PASSES):
-                        row = r * ROWS_PER_PASS + tx // 8
-                        if T.And(row < n_valid, T.And(idx_n[r] >= 0, idx_n[r] < seq_kv)):
-                            for u in T.serial(CHUNKS):
-                                T.ptx_cp_async(T.access_ptr(KV_shared[row, 64 * u + (tx % 8) * 8], "w", 8),
-                                               T.access_ptr(KV[b_i, idx_n[r], 64 * u + (tx % 8) * 8], "r", 8), 8)
-                        else:
-                            for u in T.serial(CHUNKS):
-                                for v in T.vectorized(8):
-                                    KV_shared[row, 64 * u + (tx % 8) * 8 + v] = T.cast(0, bf16)
-                else:
-                    load_query_rest(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx - 128)
-            else:
-                load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
-                zero_rows(KV_shared, BI, tx)
+            load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
+            zero_rows(KV_shared, BI, tx)
             T.fence_proxy_async()
             T.sync_threads()
 
@@ -278,8 +256,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                 T.clear(acc_dq0)
                 p = tx
                 if prefetch:
-                    if not early:
-                        next_rows(idx_n, Indices, b_i, s_i, 0, n_valid, p)
+                    next_rows(idx_n, Indices, b_i, s_i, 0, n_valid, p)
                     for r in T.unroll(PASSES):
                         sc_n[r] = RowScale[b_i, T.min(T.max(idx_n[r], 0), seq_kv - 1)]
                 for kb in T.serial(n_blk):
@@ -305,12 +282,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                                 scale_shared[row] = T.if_then_else(ok, sc_r[r], 0.0)
                             elif reds != "none":
                                 scale_shared[row] = T.if_then_else(ok, RowScale[b_i, idx_r[r]], 0.0)
-                        if early:  # the first block's copies were issued before the q and dO tiles
-                            if T.And(ok, kb > 0):
-                                for u in T.serial(CHUNKS):
-                                    T.ptx_cp_async(T.access_ptr(KV_shared[row, 64 * u + (p % 8) * 8], "w", 8),
-                                                   T.access_ptr(KV[b_i, idx_r[r], 64 * u + (p % 8) * 8], "r", 8), 8)
-                        elif ok:
+                        if ok:
                             for u in T.serial(CHUNKS):
                                 T.ptx_cp_async(
                                     T.access_ptr(KV_shared[row, 64 * u + (p % 8) * 8], "w", 8),
@@ -479,7 +451,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     return wide_bwd
 
 
-MODES = ("none", "stage", "bulk", "line", "batched", "sender", "sender2", "sender3")
+MODES = ("none", "stage", "bulk", "line", "batched", "sender", "sender2")
 # sender's registers per thread (setmaxnreg): the launch gives each thread 168 (65536 / 384, rounded down to 8) and an
 # increase only takes what a decrease gave back, so 2 x NREG_MMA + NREG_SEND must stay within 3 x 168
 NREG_MMA, NREG_SEND = 224, 56
@@ -569,7 +541,7 @@ def main(argv=None):
                 k(t.q, t.kv, t.go, t.idx, t.tl, t.lse2, t.delta, t.rows, dq, keep, row_scale, acc32, t.sm)
             ms = time_ms(call, a.iters)
             extra = ""
-            if v.split("/")[1] in ("bulk", "line", "batched", "sender", "sender2", "sender3"):
+            if v.split("/")[1] in ("bulk", "line", "batched", "sender", "sender2"):
                 acc32.zero_()
                 call()
                 extra = f"; dkv against today's exact sum: {dkv_error(acc32.double() / divisor[..., None], t.exact)}"
