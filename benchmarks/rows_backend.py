@@ -125,13 +125,16 @@ class RowsBackend(BackendBase):
 
 
 class RowsModelBackend(BackendBase):
-    """Design (a)'s arithmetic in NumPy (see the module docstring), on CPU torch tensors."""
+    """Design (a)'s arithmetic in NumPy (see the module docstring), on CPU torch tensors. ``dp``: how the bound
+    takes |dP| (``study_fixed_point.row_bound``): "norms" as ``lean4`` does (|dO_h| |V_j|), "exact" from dP itself
+    (a second product in the bound pass)."""
 
     name = "tilelang-rows-model"
     device = "cpu"
     deterministic = True
     dims = None
     tiles = {"head_group": 16, "topk_block": 16}
+    dp = "norms"
 
     def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
         import numpy as np
@@ -154,7 +157,7 @@ class RowsModelBackend(BackendBase):
         blocks = list(bm.blocks(q, kv, go, lse, sink, idx, sm, tl, prep, dq))
         bound = np.zeros((B, Skv), dtype=np.float32)
         for blk in blocks:
-            np.add.at(bound, blk.rows, study.row_bound(blk, kv, Dv, sm) * np.float32(1.0 + 2.0**-7))
+            np.add.at(bound, blk.rows, study.row_bound(blk, kv, Dv, sm, self.dp) * np.float32(1.0 + 2.0**-7))
         with np.errstate(divide="ignore", invalid="ignore"):
             f = np.clip(study.HEADROOM - np.ceil(np.log2(bound.astype(np.float64))), -120, 120)
         named = bound > 0
@@ -178,3 +181,10 @@ class RowsModelBackend(BackendBase):
             d_sink = -(ps * prep.delta).sum((0, 1), dtype=np.float32)
         return (to_torch(dq, dev, torch.bfloat16), to_torch(dkv, dev, torch.bfloat16),
                 None if d_sink is None else to_torch(d_sink, dev, torch.float32))
+
+
+class RowsModelExactBackend(RowsModelBackend):
+    """``RowsModelBackend`` with the bound's |dP| from dP itself (two products in the bound pass)."""
+
+    name = "tilelang-rows-model-exact"
+    dp = "exact"
