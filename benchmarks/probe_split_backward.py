@@ -498,11 +498,214 @@ def build_bound(BI=64, dqk=576):
     return lean_bound4
 
 
+def build_bound_exact(BI=64, dqk=576, dv=512):
+    """Design (a)'s bound pass with dP itself (``exact``; not run yet): per valid slot, sum over heads of
+    P (|scale| max|q_h| |dP - Delta_h| + max|dO_h|), bf16 P and dS covered by a 2**-7 margin, added to its KV row as
+    one int64 integer (fixed point Ex from ``exact_fixed_point``). S^T = K Q^T and dP^T = V dO^T as [BI slots x 32
+    heads] tiles: both warpgroups work on the same block, each on half the heads, since q and dO in shared memory
+    leave room for one 64-slot KV tile; the two halves' sums meet in shared memory. The next block's copies go out
+    once both products have read the tile, under the bound arithmetic; its indices were loaded a block earlier."""
+    import tilelang.language as T
+
+    HG, HW = 64, 32
+    ROWS = 256 // 8  # rows a gather pass: 8 threads a row, 16 bytes each, all 256 threads
+    PASSES = BI // ROWS
+    batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
+    bf16, f32, i32, i64 = T.bfloat16, T.float32, T.int32, T.int64
+    log2e = contract.LOG2E
+    load_query, _ = WIDE.query_tiles(T, dqk, dv, HG)
+
+    @T.macro
+    def prefetch_rows(nxt, Indices, b_i, s_i, kb, n_valid, t):
+        for r in T.unroll(PASSES):
+            slot = kb * BI + r * ROWS + t // 8
+            nxt[r] = T.if_then_else(slot < n_valid, Indices[b_i, s_i, T.max(T.min(slot, n_valid - 1), 0)], -1)
+
+    @T.macro
+    def issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb, n_valid, seq_kv, t):
+        # the copies of block kb (rows from nxt), then nxt <- the next block's rows
+        for r in T.unroll(PASSES):
+            jr[r] = T.if_then_else(T.And(nxt[r] >= 0, nxt[r] < seq_kv), nxt[r], -1)
+            if jr[r] >= 0:
+                for u in T.serial(dqk // 64):
+                    T.ptx_cp_async(T.access_ptr(KVt[r * ROWS + t // 8, 64 * u + (t % 8) * 8], "w", 8),
+                                   T.access_ptr(KV[b_i, jr[r], 64 * u + (t % 8) * 8], "r", 8), 8)
+        T.ptx_commit_group()
+        prefetch_rows(nxt, Indices, b_i, s_i, kb + 1, n_valid, t)
+
+    @T.macro
+    def publish(idx2, jr, p, t):
+        for r in T.unroll(PASSES):
+            if t % 8 == 0:
+                idx2[p, r * ROWS + t // 8] = jr[r]
+
+    @T.macro
+    def heads_init(lse_f, c_f, g_f, d_f, Lse2, C, Gm, Delta, b_i, s_i, h0, heads):
+        for h in T.Parallel(HW):
+            hh = T.min(h0 + h, heads - 1)
+            lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, hh], T.infinity(f32))
+            c_f[h] = T.if_then_else(h0 + h < heads, C[b_i, s_i, hh], 0.0)
+            g_f[h] = T.if_then_else(h0 + h < heads, Gm[b_i, s_i, hh], 0.0)
+            d_f[h] = T.if_then_else(h0 + h < heads, Delta[b_i, s_i, hh], 0.0)
+
+    @T.macro
+    def products(Q_shared, dO_shared, KVt, acc, accp, w):
+        # this warpgroup's heads [32 w, 32 w + 32) of the block: S^T and dP^T
+        T.gemm(KVt, Q_shared[w * HW:(w + 1) * HW, :], acc, transpose_B=True, clear_accum=True)
+        T.gemm(KVt[:, 0:dv], dO_shared[w * HW:(w + 1) * HW, :], accp, transpose_B=True, clear_accum=True)
+
+    @T.macro
+    def bounds(acc, accp, bsum, bs_s, lse_f, c_f, g_f, d_f, c2, w):
+        # each slot's bound over this warpgroup's heads
+        for j, h in T.Parallel(BI, HW):
+            acc[j, h] = T.exp2(acc[j, h] * c2 - lse_f[h]) * (c_f[h] * T.abs(accp[j, h] - d_f[h]) + g_f[h])
+        T.reduce_sum(acc, bsum, dim=1)
+        T.copy(bsum, bs_s[w, :])
+
+    @T.prim_func
+    def bound_exact(
+        Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
+        dO: T.Tensor([batch, seq_len, heads, dv], bf16),
+        KV: T.Tensor([batch, seq_kv, dqk], bf16),
+        Indices: T.Tensor([batch, seq_len, topk], i32),
+        TopkLen: T.Tensor([batch, seq_len], i32),
+        Lse2: T.Tensor([batch, seq_len, heads], f32),
+        Delta: T.Tensor([batch, seq_len, heads], f32),
+        C: T.Tensor([batch, seq_len, heads], f32),
+        Gm: T.Tensor([batch, seq_len, heads], f32),
+        Rows: T.Tensor([n_rows], i32),
+        Ex: T.Tensor([1], f32),
+        RowB: T.Tensor([batch, seq_kv], i64),
+        sm_scale: f32,
+    ):
+        groups = T.ceildiv(heads, HG)
+        with T.Kernel(n_rows, batch, groups, threads=256, prelude=WIDE.PRELUDE) as (bx, by, bz):
+            Q_shared = T.alloc_shared([HG, dqk], bf16)
+            dO_shared = T.alloc_shared([HG, dv], bf16)
+            KVt = T.alloc_shared([BI, dqk], bf16)
+            idx2 = T.alloc_shared([2, BI], i32)
+            bs_s = T.alloc_shared([2, BI], f32)
+            acc0, acc1 = T.alloc_fragment([BI, HW], f32), T.alloc_fragment([BI, HW], f32)
+            accp0, accp1 = T.alloc_fragment([BI, HW], f32), T.alloc_fragment([BI, HW], f32)
+            bsum0, bsum1 = T.alloc_fragment([BI], f32), T.alloc_fragment([BI], f32)
+            lse0, lse1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
+            c0, c1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
+            g0, g1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
+            d0, d1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
+            nxt = T.alloc_local([PASSES], i32)
+            jr = T.alloc_local([PASSES], i32)
+            tx = T.get_thread_binding()
+            b_i, s_i, h0 = by, Rows[bx], bz * HG
+            c2 = sm_scale * log2e
+            ex = Ex[0]
+            n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
+            n_blk = T.ceildiv(n_valid, BI)
+            prefetch_rows(nxt, Indices, b_i, s_i, 0, n_valid, tx)
+            issue(KVt, KV, nxt, jr, Indices, b_i, s_i, 0, n_valid, seq_kv, tx)
+            load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
+            publish(idx2, jr, 0, tx)
+            if tx < 128:
+                heads_init(lse0, c0, g0, d0, Lse2, C, Gm, Delta, b_i, s_i, h0, heads)
+            else:
+                heads_init(lse1, c1, g1, d1, Lse2, C, Gm, Delta, b_i, s_i, h0 + HW, heads)
+            T.ptx_wait_group(0)
+            T.fence_proxy_async()
+            T.sync_threads()
+            for kb in T.serial(n_blk):
+                if kb > 0:
+                    T.ptx_wait_group(0)
+                    T.fence_proxy_async()
+                    T.sync_threads()
+                if tx < 128:
+                    products(Q_shared, dO_shared, KVt, acc0, accp0, 0)
+                else:
+                    products(Q_shared, dO_shared, KVt, acc1, accp1, 1)
+                T.sync_threads()  # both halves have read the tile: the next block's copies run under the arithmetic
+                issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb + 1, n_valid, seq_kv, tx)
+                if tx < 128:
+                    bounds(acc0, accp0, bsum0, bs_s, lse0, c0, g0, d0, c2, 0)
+                else:
+                    bounds(acc1, accp1, bsum1, bs_s, lse1, c1, g1, d1, c2, 1)
+                T.sync_threads()
+                if tx < BI:
+                    if idx2[kb % 2, tx] >= 0:
+                        T.call_extern("handle", "smqa_red_u64", T.address_of(RowB[b_i, idx2[kb % 2, tx]]),
+                                      T.cast(T.ceil((bs_s[0, tx] + bs_s[1, tx]) * (1.0 + 2.0 ** -7) * ex), i64))
+                publish(idx2, jr, 1 - kb % 2, tx)
+
+    return bound_exact
+
+
+def build_vnorms(dqk=576, dv=512, WPB=8):
+    """``vnorms``: |V_j| (float32) of every KV row, one warp a row (16-byte loads, the warp's butterfly)."""
+    import tilelang.language as T
+
+    batch, seq_kv = T.dynamic("batch, seq_kv")
+    bf16, f32 = T.bfloat16, T.float32
+    OV = dv // 8
+
+    @T.prim_func
+    def vnorms(KV: T.Tensor([batch, seq_kv, dqk], bf16), VNorm: T.Tensor([batch, seq_kv], f32)):
+        with T.Kernel(T.ceildiv(seq_kv, WPB), batch, threads=32 * WPB) as (bx, by):
+            vb = T.alloc_local([8], bf16)
+            n2 = T.alloc_var(f32)
+            tx = T.get_thread_binding()
+            j, lane = bx * WPB + tx // 32, tx % 32
+            jj = T.min(j, seq_kv - 1)
+            n2 = 0.0
+            for c in T.unroll(OV // 32):
+                for v in T.vectorized(8):
+                    vb[v] = KV[by, jj, (c * 32 + lane) * 8 + v]
+                for v in T.unroll(8):
+                    n2 += T.cast(vb[v], f32) * T.cast(vb[v], f32)
+            n2 = T.warp_reduce_sum(n2)
+            if T.And(lane == 0, j < seq_kv):
+                VNorm[by, j] = T.sqrt(n2)
+
+    return vnorms
+
+
+def build_qvmax(WPB=8):
+    """``qvmax``: per query, the largest |V_j| over the KV rows its valid slots name (0 for none), one warp a query:
+    what the dP-exact bound's fixed point needs instead of a maximum over every row, which a row no slot names
+    could inflate."""
+    import tilelang.language as T
+
+    batch, seq_len, seq_kv, topk = T.dynamic("batch, seq_len, seq_kv, topk")
+    f32, i32 = T.float32, T.int32
+
+    @T.prim_func
+    def qvmax(
+        Indices: T.Tensor([batch, seq_len, topk], i32),
+        TopkLen: T.Tensor([batch, seq_len], i32),
+        VNorm: T.Tensor([batch, seq_kv], f32),
+        VMax: T.Tensor([batch, seq_len], f32),
+    ):
+        with T.Kernel(T.ceildiv(seq_len, WPB), batch, threads=32 * WPB) as (bx, by):
+            m = T.alloc_var(f32)
+            tx = T.get_thread_binding()
+            s, lane = bx * WPB + tx // 32, tx % 32
+            ss = T.min(s, seq_len - 1)
+            n_valid = T.max(T.min(TopkLen[by, ss], topk), 0)
+            m = 0.0
+            for c in T.serial(T.ceildiv(topk, 32)):
+                if c * 32 + lane < n_valid:
+                    j = Indices[by, ss, c * 32 + lane]
+                    if T.And(j >= 0, j < seq_kv):
+                        m = T.max(m, VNorm[by, j])
+            m = T.warp_reduce_max(m)
+            if T.And(lane == 0, s < seq_len):
+                VMax[by, s] = m
+
+    return qvmax
+
+
 def build_prepw(dqk=576, dv=512, WPB=8):
     """``prepw``: ``prepab``'s outputs from one warp a (query, head), WPB heads a block: each lane loads 16 bytes at a
     time and sums its columns in order, then the warp's butterfly (``warp_reduce_*``) finishes, so no shared memory
     or barrier sits between a row's loads and its sums. Per block, its heads' A_h and B_h summed in head order
-    (Sums [2, B, S, head blocks]; the host sums those). Delta's summation order is not ``bwd_prep``'s."""
+    (Sums [2, B, S, head blocks]; the host sums those); and C_h = |scale| max|q_h|, G_h = max|dO_h| for the
+    dP-exact bound. Delta's summation order is not ``bwd_prep``'s."""
     import tilelang.language as T
 
     batch, seq_len, heads = T.dynamic("batch, seq_len, heads")
@@ -518,6 +721,8 @@ def build_prepw(dqk=576, dv=512, WPB=8):
         Delta: T.Tensor([batch, seq_len, heads], f32),
         A: T.Tensor([batch, seq_len, heads], f32),
         Bc: T.Tensor([batch, seq_len, heads], f32),
+        C: T.Tensor([batch, seq_len, heads], f32),
+        Gm: T.Tensor([batch, seq_len, heads], f32),
         Sums: T.Tensor([2, batch, seq_len, T.ceildiv(heads, WPB)], f32),
         sm_scale: f32,
     ):
@@ -562,6 +767,8 @@ def build_prepw(dqk=576, dv=512, WPB=8):
                     Delta[bz, bx, h] = d
                     A[bz, bx, h] = a
                     Bc[bz, bx, h] = b
+                    C[bz, bx, h] = T.abs(sm_scale) * qm
+                    Gm[bz, bx, h] = gm
             T.sync_threads()
             if tx < 2:
                 total = T.alloc_var(f32)
@@ -614,6 +821,32 @@ def build_scales(dqk=576, dv=512, WPB=8):
     return row_scale
 
 
+def build_scales1(BJ=256):
+    """``scales1``: the dP-exact bound's row scales: B_j = RowB_j / Ex, F_j = 29 - ceil(log2 B_j) clamped to
+    [-120, 120], the scale 2**F_j and its inverse (0 and 1 where B_j is 0), one thread a KV row."""
+    import tilelang.language as T
+
+    batch, seq_kv = T.dynamic("batch, seq_kv")
+    f32, i64 = T.float32, T.int64
+
+    @T.prim_func
+    def row_scale1(
+        RowB: T.Tensor([batch, seq_kv], i64),
+        Ex: T.Tensor([1], f32),
+        Scale: T.Tensor([batch, seq_kv], f32),
+        Inv: T.Tensor([batch, seq_kv], f32),
+    ):
+        with T.Kernel(T.ceildiv(seq_kv, BJ), batch, threads=BJ) as (bx, by):
+            j = bx * BJ + T.get_thread_binding()
+            if j < seq_kv:
+                bnd = T.cast(RowB[by, j], f32) / Ex[0]
+                f = T.max(T.min(29.0 - T.ceil(T.log2(bnd)), 120.0), -120.0)
+                Scale[by, j] = T.if_then_else(bnd > 0.0, T.exp2(f), 0.0)
+                Inv[by, j] = T.if_then_else(bnd > 0.0, T.exp2(-f), 1.0)
+
+    return row_scale1
+
+
 def build_convert(dqk=576, BJ=8):
     """``convert``: dkv = bf16(acc * 2**-F_j), one int32 row a warp-pass (the int32 goes to float32 first, exact
     below 2**24; above, it rounds twice, to 24 bits and then to bf16)."""
@@ -637,13 +870,30 @@ def build_convert(dqk=576, BJ=8):
     return convert
 
 
-def prep_w(kp, t):
-    """``prepw`` and the rest of the bound pass's inputs: (Delta, A, Bc, Lse2, Ex), Ex the fixed points of U and W."""
+def prep_w(kp, t, exact=None):
+    """``prepw`` and the rest of the bound pass's inputs: (Delta, A, Bc, Lse2, Ex), Ex the fixed points of U and W;
+    with ``exact`` (the ``vnorms`` and ``qvmax`` kernels), (Delta, C, Gm, Lse2, Ex) for the dP-exact bound, Ex from
+    ``exact_fixed_point``."""
     B, S, H, _ = t.q.shape
-    delta, A, Bc = (torch.empty(B, S, H, dtype=torch.float32, device="cuda") for _ in range(3))
+    delta, A, Bc, C, Gm = (torch.empty(B, S, H, dtype=torch.float32, device="cuda") for _ in range(5))
     sums = torch.empty(2, B, S, -(-H // 8), dtype=torch.float32, device="cuda")
-    kp(t.q, t.out, t.go, delta, A, Bc, sums, t.sm)
-    return delta, A, Bc, contract.lse_to_base2(t.lse, t.sink).contiguous(), uw_fixed_points(sums)
+    kp(t.q, t.out, t.go, delta, A, Bc, C, Gm, sums, t.sm)
+    lse2 = contract.lse_to_base2(t.lse, t.sink).contiguous()
+    if exact is None:
+        return delta, A, Bc, lse2, uw_fixed_points(sums)
+    vnorm = torch.empty(B, t.Skv, dtype=torch.float32, device="cuda")
+    vmax = torch.empty(B, S, dtype=torch.float32, device="cuda")
+    exact[0](t.kv, vnorm)
+    exact[1](t.idx, t.tl, vnorm, vmax)
+    return delta, C, Gm, lse2, exact_fixed_point(sums, vmax)
+
+
+def exact_fixed_point(sums, vmax):
+    """float32 [1]: 2**(62 - ceil(log2 G)) for G = sum over queries of VMax_i sum_h A_h + sum_h B_h, which bounds
+    the sum of every slot's dP-exact bound (|dP_h| <= |dO_h| |V_j| <= |dO_h| VMax_i; each query's P sums to 1 at
+    most); 1 where G is 0."""
+    g = (sums[0] * vmax[..., None]).sum() + sums[1].sum()
+    return torch.where(g > 0, torch.exp2(62 - torch.ceil(torch.log2(g))), torch.ones_like(g)).reshape(1)
 
 
 def uw_fixed_points(sums):
@@ -664,15 +914,17 @@ def row_scales_uw(U, W, ex, vnorm):
 
 def compiled(which: str, bi: int = 32, dims=(576, 512)):
     """``which``: "a" (kernel A), "b" (kernel B at ``bi`` slots a block), a bound-only kernel A mode, or design (a)'s
-    "prepw", "lean4" (the bound pass), "scales", "convert"; design (a)'s for any (Dqk, Dv) ``dims``, the others for
-    576 / 512."""
+    "prepw", "lean4" (the bound pass), "scales", "convert", and for the dP-exact bound "exact", "vnorms", "qvmax",
+    "scales1"; design (a)'s for any (Dqk, Dv) ``dims``, the others for 576 / 512."""
     import tilelang
 
     from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET
     dqk, dv = dims
     program = (build_b(bi) if which == "b" else build_bound(dqk=dqk) if which == "lean4"
+               else build_bound_exact(dqk=dqk, dv=dv) if which == "exact"
                else build_prepw(dqk, dv) if which == "prepw" else build_scales(dqk, dv) if which == "scales"
-               else build_convert(dqk) if which == "convert"
+               else build_vnorms(dqk, dv) if which == "vnorms" else build_qvmax() if which == "qvmax"
+               else build_scales1() if which == "scales1" else build_convert(dqk) if which == "convert"
                else build_a("full" if which == "a" else which))
     return tilelang.compile(program, out_idx=None, target=TARGET, execution_backend=EXECUTION_BACKEND)
 
@@ -709,21 +961,27 @@ def main(argv=None):
     p.add_argument("--b-only", action="store_true", help="kernel B alone on random P and dS, against torch in float64")
     p.add_argument("--bound", action="store_true", help="the bound kernels (--kernels) and design (a)'s prep alone, "
                    "and their per-row bounds against today's exact dkv")
-    p.add_argument("--kernels", default="lean4", help=f"--bound's kernels: lean4 and kernel A's bound modes "
+    p.add_argument("--kernels", default="lean4", help=f"--bound's kernels: lean4, exact and kernel A's bound modes "
                    f"({', '.join(A_MODES[1:])})")
     p.add_argument("--pipeline", action="store_true", help="design (a) end to end (prep, bound pass, main kernel, "
                    "conversion) beside today's call")
     p.add_argument("--pipe-tail", default="kernels", choices=("torch", "kernels"), help="--pipeline's row scales and "
                    "conversion")
+    p.add_argument("--pipe-bound", default="lean4", choices=("lean4", "exact"), help="--pipeline's bound pass: "
+                   "|dP| <= |dO_h| |V_j| (lean4) or dP itself (exact, with the kernels scales1 and convert)")
     p.add_argument("--cudnn", action="store_true", help="--pipeline: time cuDNN's backward in the same process")
     p.add_argument("--pipe-main", default="48/sender2", choices=("48/sender", "48/sender2"),
                    help="--pipeline's main kernel (probe_wide_backward.py's variant)")
     a = p.parse_args(argv)
     if a.bound or a.pipeline:
-        kbs = {m: compiled(m) for m in ("prepw", *a.kernels.split(","))} if a.bound else {}
+        names = ["prepw", *a.kernels.split(",")]
+        names += ["vnorms", "qvmax"] if "exact" in names else []
+        kbs = {m: compiled(m) for m in names} if a.bound else {}
         if a.pipeline:
-            pipe = (compiled("prepw"), compiled("lean4"), WIDE.compiled(a.pipe_main),
-                    (compiled("scales"), compiled("convert")) if a.pipe_tail == "kernels" else None)
+            exact = (tuple(compiled(k) for k in ("vnorms", "qvmax", "scales1")) if a.pipe_bound == "exact"
+                     else None)
+            pipe = (compiled("prepw"), compiled(a.pipe_bound), WIDE.compiled(a.pipe_main),
+                    (compiled("scales"), compiled("convert")) if exact or a.pipe_tail == "kernels" else None, exact)
         if torch.cuda.is_available():
             for name in a.shapes:
                 t = WIDE.today(name)
@@ -805,8 +1063,11 @@ def bound_only(kbs, t, name, a):
     prep_ms = WIDE.time_ms(lambda: backward._prep(t.q, t.kv, t.out, t.go, t.lse, t.sink, t.idx, t.tl, t.sm, 512),
                            a.iters)
     kp = kbs.pop("prepw")
+    exact = (kbs.pop("vnorms"), kbs.pop("qvmax")) if "exact" in kbs else None
     prepw_ms = WIDE.time_ms(lambda: prep_w(kp, t), a.iters)
     delta, A, Bc, lse2, ex = prep_w(kp, t)
+    if exact:
+        _, C, Gm, _, ex1 = prep_w(kp, t, exact)
     print(f"{name}: today's prep {prep_ms:.3f} ms; prepw (with the kernel LSE and the fixed points) {prepw_ms:.3f} "
           f"ms; its Delta against today's: max rel. {((delta - t.delta).abs().max() / t.delta.abs().max()).item():.1e}",
           flush=True)
@@ -825,6 +1086,8 @@ def bound_only(kbs, t, name, a):
         def call():
             if mode == "lean4":
                 k(t.q, t.kv, t.idx, t.tl, lse2, A, Bc, t.rows, ex, row_u, row_w, t.sm)
+            elif mode == "exact":
+                k(t.q, t.go, t.kv, t.idx, t.tl, lse2, delta, C, Gm, t.rows, ex1, row_u, t.sm)
             else:
                 k(t.q, t.kv, t.go, t.idx, t.tl, lse2, delta, qmax, omax, t.rows, ex_a, dq, unused, unused,
                   row_u, onorm, vnorm, t.sm)
@@ -833,24 +1096,27 @@ def bound_only(kbs, t, name, a):
         row_w.zero_()
         call()
         bj = bounds[mode] = (row_scales_uw(row_u, row_w, ex, vnorm)[1] if mode == "lean4"
-                             else row_u.double() / ex_a.double())
+                             else row_u.double() / (ex1 if mode == "exact" else ex_a).double())
         gap = torch.log2(bj[named] / rmax[named])
         q = torch.quantile(gap.float(), torch.tensor([0.5, 0.99], device="cuda"))
         print(f"  {mode}: {ms:.3f} ms; log2(B_j / max|dkv_j|) min {gap.min().item():.2f} median {q[0].item():.2f} "
               f"p99 {q[1].item():.2f} max {gap.max().item():.2f} over {int(named.sum())} named rows", flush=True)
-    if "lean4" in bounds and "bound1" in bounds:
-        r = torch.log2(bounds["lean4"][named] / bounds["bound1"][named])
-        print(f"  lean4 against bound1 (the same bound, a 2**-7 margin): log2 ratio {r.min().item():.4f} .. "
-              f"{r.max().item():.4f}", flush=True)
+    for mine, theirs in (("lean4", "bound1"), ("exact", "bound2")):
+        if mine in bounds and theirs in bounds:
+            r = torch.log2(bounds[mine][named] / bounds[theirs][named])
+            print(f"  {mine} against kernel A's {theirs} (the same |dP|, a 2**-7 margin): log2 ratio "
+                  f"{r.min().item():.4f} .. {r.max().item():.4f}", flush=True)
 
 
-def pipeline(kp, kl, ks, tail, t, name, a):
+def pipeline(kp, kl, ks, tail, exact, t, name, a):
     """Design (a) end to end: the ``prepw`` pass and the fixed points of the bound's two sums, the ``lean4`` bound
-    pass, the row scales, the main kernel (``--pipe-main``, a ``probe_wide_backward.py`` variant:
-    int32 per KV row) and the conversion to bf16, the last two steps in torch or as the ``scales`` and ``convert``
-    kernels (``--pipe-tail``). The whole call is timed as today's call (and cuDNN's, ``--cudnn``) is, in the same
-    process; each stage's GPU time is taken with CUDA events on calls queued behind a sleep, so the host's launches
-    stay ahead. dq is compared bit for bit with today's, dkv with today's exact sum."""
+    pass (or, with ``exact`` = the ``vnorms``, ``qvmax`` and ``scales1`` kernels, ``kl`` the ``exact`` bound pass:
+    its own fixed point and one sum a row), the row scales, the main kernel (``--pipe-main``, a
+    ``probe_wide_backward.py`` variant: int32 per KV row) and the conversion to bf16, the last two steps in torch or
+    as the ``scales`` and ``convert`` kernels (``--pipe-tail``). The whole call is timed as today's call (and
+    cuDNN's, ``--cudnn``) is, in the same process; each stage's GPU time is taken with CUDA events on calls queued
+    behind a sleep, so the host's launches stay ahead. dq is compared bit for bit with today's, dkv with today's
+    exact sum."""
     from sparse_mqa_kernels import backward
     B, S, H, Dqk = t.q.shape
     keep = torch.zeros((B, Dqk), dtype=torch.float32, device="cuda")
@@ -858,13 +1124,19 @@ def pipeline(kp, kl, ks, tail, t, name, a):
     def call(ev=None):
         mark = (lambda k: ev[k].record()) if ev else (lambda k: None)
         mark(0)
-        delta, A, Bc, lse2, ex = prep_w(kp, t)
+        delta, A, Bc, lse2, ex = prep_w(kp, t, exact)  # (A, Bc are C, Gm with exact)
         mark(1)
         row_u = torch.zeros(B, t.Skv, dtype=torch.int64, device="cuda")
         row_w = torch.zeros_like(row_u)
-        kl(t.q, t.kv, t.idx, t.tl, lse2, A, Bc, t.rows, ex, row_u, row_w, t.sm)
+        if exact:
+            kl(t.q, t.go, t.kv, t.idx, t.tl, lse2, delta, A, Bc, t.rows, ex, row_u, t.sm)
+        else:
+            kl(t.q, t.kv, t.idx, t.tl, lse2, A, Bc, t.rows, ex, row_u, row_w, t.sm)
         mark(2)
-        if tail:
+        if exact:
+            scale, inv = torch.empty(B, t.Skv, device="cuda"), torch.empty(B, t.Skv, device="cuda")
+            exact[2](row_u, ex, scale, inv)
+        elif tail:
             scale, inv = torch.empty(B, t.Skv, device="cuda"), torch.empty(B, t.Skv, device="cuda")
             tail[0](t.kv, row_u, row_w, ex, scale, inv)
         else:

@@ -15,6 +15,10 @@ terms, the bound of ``study_fixed_point.row_bound`` (lean4's, with its 2**-7 mar
 sums, raising if a term or a row's final sum leaves int32 (the kernel would wrap silently), so the suite's cases
 check on CPU that the bound holds wherever they reach.
 
+``RowsExactBackend`` is the same with the bound pass that takes dP itself (``exact``: S and dP products, one int64
+sum a row; ``vnorms`` and ``qvmax`` give each query's largest named |V_j| for its fixed point; ``scales1``), which the
+CPU models show design (a) needs on hot rows of peaky logits (BENCHMARKS.md). It is compile-checked, not yet run.
+
 Every sum is integer or in a fixed order, so the result is bitwise stable. It declares Dqk 576 / Dv 512, where it
 has run; its kernels build for 512 / 512 too (``_kernels``), not yet run on a GPU. The forward is the ``tilelang``
 backend's.
@@ -43,6 +47,7 @@ def _probe(name: str):
 
 class RowsBackend(BackendBase):
     name = "tilelang-rows"
+    bound = "lean4"  # |dP| <= |dO_h| |V_j|; RowsExactBackend takes dP itself
     device = "cuda"
     deterministic = True
     graph_safe = True  # no host reads of the data; every kernel and torch op on the current stream
@@ -59,19 +64,22 @@ class RowsBackend(BackendBase):
         except ImportError as exc:
             raise MissingDependency(f"tilelang-rows needs TileLang 0.1.15 ({exc})") from exc
 
+    def _names(self):
+        extra = (("vnorms", "vnorms"), ("qvmax", "qvmax"), ("scales", "scales1")) if self.bound == "exact" else \
+            (("scales", "scales"),)
+        return (("prep", "prepw"), ("bound", self.bound), ("convert", "convert"), *extra)
+
     def _kernels(self, dims):
         if dims not in self._k:
             split = _probe("probe_split_backward")
-            k = {name: split.compiled(which, dims=dims) for name, which in
-                 (("prep", "prepw"), ("bound", "lean4"), ("scales", "scales"), ("convert", "convert"))}
-            self._k[dims] = dict(k, main=split.WIDE.compiled("48/sender2", dims), fixed_points=split.uw_fixed_points)
+            k = {name: split.compiled(which, dims=dims) for name, which in self._names()}
+            self._k[dims] = dict(k, main=split.WIDE.compiled("48/sender2", dims), split=split)
         return self._k[dims]
 
     def warmup(self, cases=None) -> list[str]:
         for dims in self.dims:
             self._kernels(dims)
-        return [f"{k} {dqk}/{dv}" for dqk, dv in self.dims for k in ("prepw", "lean4", "scales", "convert",
-                                                                     "48/sender2")]
+        return [f"{which} {dqk}/{dv}" for dqk, dv in self.dims for _, which in (*self._names(), ("", "48/sender2"))]
 
     def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
         from sparse_mqa_kernels.forward import sparse_mqa_forward
@@ -80,14 +88,14 @@ class RowsBackend(BackendBase):
 
     def workspace_bytes(self, case, direction: str = "backward") -> int:
         """An upper bound on what a backward call holds beside its outputs: the int32 dkv sums (4 a dkv element);
-        per KV row U, W, scale and inverse (24); per (query, head) Delta, A_h, B_h, the kernel LSE and its torch
-        temporaries, the sink probability and d_sink's product (64 in all); per query the head blocks' sums, the
-        row ids and topk_length's stand-in; 64 KiB of scalars."""
+        per KV row U, W, |V_j|, scale and inverse (28); per (query, head) Delta, A_h, B_h, C_h, G_h, the kernel LSE
+        and its torch temporaries, the sink probability and d_sink's product (72 in all); per query the head
+        blocks' sums, VMax, the row ids and topk_length's stand-in; 64 KiB of scalars."""
         if direction == "forward":
             return 0
         B, S, Skv, H, Dqk = case.B, case.S, case.Skv, case.H, case.Dqk
-        return (4 * B * Skv * Dqk + 24 * B * Skv + 4 * B * Dqk + 64 * B * S * H
-                + 8 * B * S * -(-H // 8) + 8 * B * S + 4 * S + (64 << 10))
+        return (4 * B * Skv * Dqk + 28 * B * Skv + 4 * B * Dqk + 72 * B * S * H
+                + 8 * B * S * -(-H // 8) + 12 * B * S + 4 * S + (64 << 10))
 
     def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
         d = check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length,
@@ -100,18 +108,27 @@ class RowsBackend(BackendBase):
             tl = (torch.full((d.B, d.S), d.L, dtype=torch.int32, device=dev) if topk_length is None
                   else topk_length.contiguous())
             rows = torch.arange(d.S, dtype=torch.int32, device=dev)
-            delta, A, Bc = (torch.empty(d.B, d.S, d.H, dtype=torch.float32, device=dev) for _ in range(3))
+            delta, A, Bc, C, Gm = (torch.empty(d.B, d.S, d.H, dtype=torch.float32, device=dev) for _ in range(5))
             sums = torch.empty(2, d.B, d.S, -(-d.H // 8), dtype=torch.float32, device=dev)
-            k["prep"](q, out, grad_out, delta, A, Bc, sums, sm)
+            k["prep"](q, out, grad_out, delta, A, Bc, C, Gm, sums, sm)
             lse2 = contract.lse_to_base2(lse, attn_sink).contiguous()
-            ex = k["fixed_points"](sums)
             row_u = torch.zeros(d.B, d.Skv, dtype=torch.int64, device=dev)
-            row_w = torch.zeros_like(row_u)
-            k["bound"](q, kv, indices, tl, lse2, A, Bc, rows, ex, row_u, row_w, sm)
             scale = torch.empty(d.B, d.Skv, dtype=torch.float32, device=dev)
             inv = torch.empty_like(scale)
-            k["scales"](kv, row_u, row_w, ex, scale, inv)
-            del row_u, row_w
+            if self.bound == "exact":
+                vnorm = torch.empty(d.B, d.Skv, dtype=torch.float32, device=dev)
+                vmax = torch.empty(d.B, d.S, dtype=torch.float32, device=dev)
+                k["vnorms"](kv, vnorm)
+                k["qvmax"](indices, tl, vnorm, vmax)
+                ex = k["split"].exact_fixed_point(sums, vmax)
+                k["bound"](q, grad_out, kv, indices, tl, lse2, delta, C, Gm, rows, ex, row_u, sm)
+                k["scales"](row_u, ex, scale, inv)
+            else:
+                ex = k["split"].uw_fixed_points(sums)
+                row_w = torch.zeros_like(row_u)
+                k["bound"](q, kv, indices, tl, lse2, A, Bc, rows, ex, row_u, row_w, sm)
+                k["scales"](kv, row_u, row_w, ex, scale, inv)
+            del row_u
             acc = torch.zeros(d.B, d.Skv, d.Dqk, dtype=torch.int32, device=dev)
             dq = torch.empty(d.B, d.S, d.H, d.Dqk, dtype=torch.bfloat16, device=dev)
             keep = torch.zeros(d.B, d.Dqk, dtype=torch.float32, device=dev)
@@ -122,6 +139,14 @@ class RowsBackend(BackendBase):
             if attn_sink is not None:
                 d_sink = -(contract.sink_probability(lse, attn_sink) * delta).sum((0, 1))
         return dq, dkv, d_sink
+
+
+class RowsExactBackend(RowsBackend):
+    """``RowsBackend`` with the dP-exact bound pass (``exact``: S and dP products, one int64 sum a row, its fixed
+    point from each query's largest named |V_j|). Built and compile-checked; not run on a GPU yet."""
+
+    name = "tilelang-rows-exact"
+    bound = "exact"
 
 
 class RowsModelBackend(BackendBase):

@@ -254,7 +254,7 @@ def test_design_a_kernels_compile():
     warp (no atomics); ``lean4`` runs S^T alone as [64 slots x 64 heads] tiles, one accumulator per warpgroup, and adds
     each slot's two bound sums to its row's U and W only with red.add.u64 (no |V_j| read); ``scales`` and ``convert``
     use no atomics; ``48/sender2`` is ``sender`` with each block's rows read during the block before. All of them
-    build for Dqk 512 / Dv 512 as well."""
+    build for Dqk 512 / Dv 512 as well; so does the dP-exact bound pass for 576 / 512."""
     split = _benchmark("probe_split_backward")
     bodies = {}
     for which in ("prepw", "lean4", "scales", "convert"):
@@ -279,3 +279,12 @@ def test_design_a_kernels_compile():
         assert "atomicAdd" not in split.compiled(which, dims=(512, 512)).get_kernel_source(), which
     src = wide.compiled("48/sender2", (512, 512)).get_kernel_source()
     assert "smqa_send_block<12, 68, 512, 64, 8, 64>" in src
+    # the dP-exact bound pass: S^T and dP^T as [64 slots x 32 heads] tiles (each warpgroup half the heads), one
+    # int64 sum a row; its helpers use no atomics
+    src = split.compiled("exact").get_kernel_source()
+    body = src[src.index('extern "C" __global__'):]
+    assert set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", body)) == {("64", "32")}
+    assert set(re.findall(r"smqa_red_u64\(\(&\((Row\w+)\[", body)) == {"RowB"}
+    assert "atomicAdd" not in body
+    for which in ("vnorms", "qvmax", "scales1"):
+        assert "atomicAdd" not in split.compiled(which).get_kernel_source(), which
