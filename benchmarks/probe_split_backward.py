@@ -701,11 +701,13 @@ def build_qvmax(WPB=8):
 
 
 def build_prepw(dqk=576, dv=512, WPB=8):
-    """``prepw``: ``prepab``'s outputs from one warp a (query, head), WPB heads a block: each lane loads 16 bytes at a
-    time and sums its columns in order, then the warp's butterfly (``warp_reduce_*``) finishes, so no shared memory
-    or barrier sits between a row's loads and its sums. Per block, its heads' A_h and B_h summed in head order
-    (Sums [2, B, S, head blocks]; the host sums those); and C_h = |scale| max|q_h|, G_h = max|dO_h| for the
-    dP-exact bound. Delta's summation order is not ``bwd_prep``'s."""
+    """``prepw``, design (a)'s prep pass over q, out and dO, one warp a (query, head), WPB heads a block: Delta and
+    the bound's per-head factors A_h = |scale| max|q_h| |dO_h| and B_h = |scale| max|q_h| |Delta_h| + max|dO_h|
+    (``lean4``), C_h = |scale| max|q_h| and G_h = max|dO_h| (``exact``), and per block its heads' A_h and B_h summed
+    in head order (Sums [2, B, S, head blocks]; the host sums those for the fixed points). Each lane loads 16 bytes
+    at a time and sums its columns in order, then the warp's butterfly (``warp_reduce_*``) finishes, so no shared
+    memory or barrier sits between a row's loads and its sums. Delta's summation order is not ``bwd_prep``'s.
+    (It replaced ``prepab``, one block a query and four heads a step: 0.48 ms at the anchor against 0.27.)"""
     import tilelang.language as T
 
     batch, seq_len, heads = T.dynamic("batch, seq_len, heads")
