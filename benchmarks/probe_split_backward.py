@@ -349,6 +349,33 @@ def build_b(BI=32, dqk=576, dv=512):
     return split_dkv
 
 
+def gather_macros(T, BI: int, ROWS: int, dqk: int, ahead: int):
+    """The bound passes' gather, as two T.macro pieces: ``prefetch_rows`` loads this thread's rows of block kb into
+    registers (-1 past the valid slots); ``issue`` sends block kb's copies (cp.async, 16 bytes a thread, 8 threads a
+    row, ROWS rows a pass; a row no slot backs is not copied), commits them, and loads the rows of block kb +
+    ``ahead`` (the next block this thread gathers)."""
+    PASSES = BI // ROWS
+
+    @T.macro
+    def prefetch_rows(nxt, Indices, b_i, s_i, kb, n_valid, t):
+        for r in T.unroll(PASSES):
+            slot = kb * BI + r * ROWS + t // 8
+            nxt[r] = T.if_then_else(slot < n_valid, Indices[b_i, s_i, T.max(T.min(slot, n_valid - 1), 0)], -1)
+
+    @T.macro
+    def issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb, n_valid, seq_kv, t):
+        for r in T.unroll(PASSES):
+            jr[r] = T.if_then_else(T.And(nxt[r] >= 0, nxt[r] < seq_kv), nxt[r], -1)
+            if jr[r] >= 0:
+                for u in T.serial(dqk // 64):
+                    T.ptx_cp_async(T.access_ptr(KVt[r * ROWS + t // 8, 64 * u + (t % 8) * 8], "w", 8),
+                                   T.access_ptr(KV[b_i, jr[r], 64 * u + (t % 8) * 8], "r", 8), 8)
+        T.ptx_commit_group()
+        prefetch_rows(nxt, Indices, b_i, s_i, kb + ahead, n_valid, t)
+
+    return prefetch_rows, issue
+
+
 def build_bound(BI=64, dqk=576):
     """Design (a)'s bound pass (``lean4``): each KV row's bound on |its dkv sum|, bound1's bound (|dP| <= |dO_h| |V_j|)
     as two int64 sums U_j = sum P A_h and W_j = sum P B_h, each with its own fixed point (Ex, fixed by the sums of A_h
@@ -373,24 +400,7 @@ def build_bound(BI=64, dqk=576):
     log2e = contract.LOG2E
     load_query, _ = WIDE.query_tiles(T, dqk, 0, HG)  # q only
 
-    @T.macro
-    def prefetch_rows(nxt, Indices, b_i, s_i, kb, n_valid, t):
-        # this thread's rows of block kb (its warpgroup's next), or -1 past the valid slots
-        for r in T.unroll(PASSES):
-            slot = kb * BI + r * ROWS + t // 8
-            nxt[r] = T.if_then_else(slot < n_valid, Indices[b_i, s_i, T.max(T.min(slot, n_valid - 1), 0)], -1)
-
-    @T.macro
-    def issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb, n_valid, seq_kv, t):
-        # the copies of block kb (rows from nxt), then nxt <- the rows of this warpgroup's block after it
-        for r in T.unroll(PASSES):
-            jr[r] = T.if_then_else(T.And(nxt[r] >= 0, nxt[r] < seq_kv), nxt[r], -1)
-            if jr[r] >= 0:
-                for u in T.serial(dqk // 64):
-                    T.ptx_cp_async(T.access_ptr(KVt[r * ROWS + t // 8, 64 * u + (t % 8) * 8], "w", 8),
-                                   T.access_ptr(KV[b_i, jr[r], 64 * u + (t % 8) * 8], "r", 8), 8)
-        T.ptx_commit_group()
-        prefetch_rows(nxt, Indices, b_i, s_i, kb + 2, n_valid, t)
+    prefetch_rows, issue = gather_macros(T, BI, ROWS, dqk, ahead=2)  # a warpgroup's next block is two ahead
 
     @T.macro
     def publish(idx3, jr, w, p, t):
@@ -515,23 +525,7 @@ def build_bound_exact(BI=64, dqk=576, dv=512):
     log2e = contract.LOG2E
     load_query, _ = WIDE.query_tiles(T, dqk, dv, HG)
 
-    @T.macro
-    def prefetch_rows(nxt, Indices, b_i, s_i, kb, n_valid, t):
-        for r in T.unroll(PASSES):
-            slot = kb * BI + r * ROWS + t // 8
-            nxt[r] = T.if_then_else(slot < n_valid, Indices[b_i, s_i, T.max(T.min(slot, n_valid - 1), 0)], -1)
-
-    @T.macro
-    def issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb, n_valid, seq_kv, t):
-        # the copies of block kb (rows from nxt), then nxt <- the next block's rows
-        for r in T.unroll(PASSES):
-            jr[r] = T.if_then_else(T.And(nxt[r] >= 0, nxt[r] < seq_kv), nxt[r], -1)
-            if jr[r] >= 0:
-                for u in T.serial(dqk // 64):
-                    T.ptx_cp_async(T.access_ptr(KVt[r * ROWS + t // 8, 64 * u + (t % 8) * 8], "w", 8),
-                                   T.access_ptr(KV[b_i, jr[r], 64 * u + (t % 8) * 8], "r", 8), 8)
-        T.ptx_commit_group()
-        prefetch_rows(nxt, Indices, b_i, s_i, kb + 1, n_valid, t)
+    prefetch_rows, issue = gather_macros(T, BI, ROWS, dqk, ahead=1)
 
     @T.macro
     def publish(idx2, jr, p, t):
