@@ -439,6 +439,15 @@ def build_bound(BI=64, dqk=576):
                               T.cast(T.ceil(bs_s[w, 1, t] * (1.0 + 2.0 ** -7) * exw), i64))
         publish(idx3, jr, w, 1 - p, t)
 
+    @T.macro
+    def heads_init(lse_f, a_f, b_f, Lse2, A, Bc, b_i, s_i, h0, heads):
+        # this warpgroup's copy of the group's per-head LSE and bound factors (padded heads: P = 0, factors 0)
+        for h in T.Parallel(HG):
+            hh = T.min(h0 + h, heads - 1)
+            lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, hh], T.infinity(f32))
+            a_f[h] = T.if_then_else(h0 + h < heads, A[b_i, s_i, hh], 0.0)
+            b_f[h] = T.if_then_else(h0 + h < heads, Bc[b_i, s_i, hh], 0.0)
+
     @T.prim_func
     def lean_bound4(
         Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
@@ -487,20 +496,12 @@ def build_bound(BI=64, dqk=576):
             T.fence_proxy_async()
             T.sync_threads()
             if tx < 128:
-                for h in T.Parallel(HG):
-                    hh = T.min(h0 + h, heads - 1)
-                    lse0[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, hh], T.infinity(f32))
-                    a0[h] = T.if_then_else(h0 + h < heads, A[b_i, s_i, hh], 0.0)
-                    b0[h] = T.if_then_else(h0 + h < heads, Bc[b_i, s_i, hh], 0.0)
+                heads_init(lse0, a0, b0, Lse2, A, Bc, b_i, s_i, h0, heads)
                 for i in T.serial(T.ceildiv(n_blk, 2)):
                     step(Q_shared, KV0, idx3, bs_s, acc0, accw0, bsum0, bsumw0, lse0, a0, b0, KV, Indices, RowU,
                           RowW, b_i, s_i, i, n_valid, seq_kv, tx, 0, c2, exu, exw, nxt, jr)
             else:
-                for h in T.Parallel(HG):
-                    hh = T.min(h0 + h, heads - 1)
-                    lse1[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, hh], T.infinity(f32))
-                    a1[h] = T.if_then_else(h0 + h < heads, A[b_i, s_i, hh], 0.0)
-                    b1[h] = T.if_then_else(h0 + h < heads, Bc[b_i, s_i, hh], 0.0)
+                heads_init(lse1, a1, b1, Lse2, A, Bc, b_i, s_i, h0, heads)
                 for i in T.serial(n_blk // 2):
                     step(Q_shared, KV1, idx3, bs_s, acc1, accw1, bsum1, bsumw1, lse1, a1, b1, KV, Indices, RowU,
                           RowW, b_i, s_i, i, n_valid, seq_kv, tx - 128, 1, c2, exu, exw, nxt, jr)

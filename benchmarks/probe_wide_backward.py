@@ -123,25 +123,31 @@ def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256):
     into shared memory, 16 bytes a thread, padded heads as zero (q only when ``dv`` is 0); ``zero_rows`` zeroes a
     [rows x dqk] tile (a KV block starts at zero, so a slot never gathered holds finite values)."""
     bf16 = T.bfloat16
-    Q_CHUNKS, O_CHUNKS = HG * (dqk // 8), HG * (dv // 8)
+
+    def rows_loader(D: int):
+        CHUNKS = HG * (D // 8)
+
+        @T.macro
+        def load_rows(src, dst, b_i, s_i, h0, heads, tx):
+            # the group's HG rows of D columns, 16 bytes a thread; rows past H as zero
+            for i in T.serial(T.ceildiv(CHUNKS, threads)):
+                c = i * threads + tx
+                if c < CHUNKS:
+                    for v in T.vectorized(8):
+                        dst[c // (D // 8), (c % (D // 8)) * 8 + v] = T.if_then_else(
+                            h0 + c // (D // 8) < heads, src[b_i, s_i, h0 + c // (D // 8), (c % (D // 8)) * 8 + v],
+                            T.cast(0, bf16))
+
+        return load_rows
+
+    load_q = rows_loader(dqk)
+    load_do = rows_loader(dv) if dv > 0 else None
 
     @T.macro
     def load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx):
-        for i in T.serial(T.ceildiv(Q_CHUNKS, threads)):
-            c = i * threads + tx
-            if c < Q_CHUNKS:
-                for v in T.vectorized(8):
-                    Q_shared[c // (dqk // 8), (c % (dqk // 8)) * 8 + v] = T.if_then_else(
-                        h0 + c // (dqk // 8) < heads, Q[b_i, s_i, h0 + c // (dqk // 8), (c % (dqk // 8)) * 8 + v],
-                        T.cast(0, bf16))
+        load_q(Q, Q_shared, b_i, s_i, h0, heads, tx)
         if dv > 0:
-            for i in T.serial(T.ceildiv(O_CHUNKS, threads)):
-                c = i * threads + tx
-                if c < O_CHUNKS:
-                    for v in T.vectorized(8):
-                        dO_shared[c // (dv // 8), (c % (dv // 8)) * 8 + v] = T.if_then_else(
-                            h0 + c // (dv // 8) < heads, dO[b_i, s_i, h0 + c // (dv // 8), (c % (dv // 8)) * 8 + v],
-                            T.cast(0, bf16))
+            load_do(dO, dO_shared, b_i, s_i, h0, heads, tx)
 
     @T.macro
     def zero_rows(tile, rows, tx):

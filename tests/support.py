@@ -765,6 +765,17 @@ def backward_of(backend, case) -> dict:
     return case_call(backend, case).results(backend, "backward")
 
 
+def benchmark_module(name: str):
+    """A script of ``benchmarks/`` as a module, by path (the folder is not a package)."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def load_as(monkeypatch, name: str, backend) -> None:
     """For this test, the training-step entry points (``sparse_mqa_kernels.autograd``) load ``backend`` for the
     registered name ``name`` (a stand-in); other names load as before."""

@@ -2,8 +2,6 @@
 CUDA accumulates dkv only as int64 into the integer accumulator: no floating-point atomic or reduction."""
 
 import dataclasses
-import importlib.util
-import pathlib
 import re
 
 import pytest
@@ -11,6 +9,7 @@ import pytest
 pytest.importorskip("tilelang")
 
 from sparse_mqa_kernels import backward, bwd_plan  # noqa: E402
+from support import benchmark_module  # noqa: E402
 
 FLOAT_ATOMICS = ("atomicAdd(", "AtomicAddx2", "AtomicAddx4", "tma_store_add", "red.global.add.f",
                  "red.global.add.v", "red.global.add.noftz", "atom.global.add.f", ".add.f32", ".add.f16",
@@ -20,14 +19,6 @@ FLOAT_ATOMICS = ("atomicAdd(", "AtomicAddx2", "AtomicAddx4", "tma_store_add", "r
 ANCHOR = bwd_plan.make_plan(1, 4096, 8192, 64, 2048, 576, 512).key()
 SMALL_GROUP = bwd_plan.make_plan(1, 64, 128, 16, 64, 576, 512).key()
 ANCHOR_SINGLE = dataclasses.replace(ANCHOR, single_role=True)
-
-
-def _benchmark(name: str):
-    """A script of ``benchmarks/`` as a module, by path (the folder is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).parents[2] / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +155,7 @@ def test_reduction_benchmark_compiles_and_pads_to_its_occupancy():
     kernel compiles for sm_90a, sends rows only with its config's bulk reduction (.add.u64, .add.f32 for the
     float32 configs, .add.u32 for the int32 ones), and its shared memory admits exactly the blocks per SM the config
     names; a register config sends with its own red.global flavour only."""
-    mod = _benchmark("bench_reduce")
+    mod = benchmark_module("bench_reduce")
     assert mod.parse("16x2/3w256") == (16, 2, 3, 256, "int64") and mod.parse("8x1/2f32")[-1] == "float32"
     assert mod.parse("16x4/1i32") == (16, 4, 1, 576, "int32")
     for config in ("8x2/1", "8x2/3", "8x2/3f32", "8x2/3i32"):
@@ -199,7 +190,7 @@ def test_wide_probe_compiles_in_cudnns_shape():
     warpgroups and S / dP as 64 x BI wgmma tiles; 64-slot blocks fill shared memory with Q, dO, the KV block, P and
     dS only (cuDNN's tiles); a sending variant sends only with its own operation, and none uses a float atomic; the
     sender variant's third warpgroup takes registers from the launch's budget only."""
-    mod = _benchmark("probe_wide_backward")
+    mod = benchmark_module("probe_wide_backward")
     with pytest.raises(ValueError, match="no shared memory for staging"):
         mod.build_program(64, "bulk")
     for variant, sends in (("64/none", set()), ("48/bulk", {"sparse_mqa_bulk_add_u32"}),
@@ -228,7 +219,7 @@ def test_split_probe_compiles_its_two_kernels():
     computes dkv^T as 64 x 32 chunks and sends dkv only as .add.u32 bulk rows, one per warpgroup and slot; neither
     uses a float atomic. The bound-only modes write neither dq nor P nor dS, and bound1 has no dP product (design
     (a)'s own bound pass is ``test_design_a_kernels_compile``'s)."""
-    mod = _benchmark("probe_split_backward")
+    mod = benchmark_module("probe_split_backward")
     bodies = {}
     for which in ("a", "b"):
         src = mod.compiled(which, 32).get_kernel_source()
@@ -255,7 +246,7 @@ def test_design_a_kernels_compile():
     each slot's two bound sums to its row's U and W only with red.add.u64 (no |V_j| read); ``scales`` and ``convert``
     use no atomics; ``48/sender2`` is ``sender`` with each block's rows read during the block before. All of them
     build for Dqk 512 / Dv 512 as well; so does the dP-exact bound pass for 576 / 512."""
-    split = _benchmark("probe_split_backward")
+    split = benchmark_module("probe_split_backward")
     bodies = {}
     for which in ("prepw", "lean4", "scales", "convert"):
         src = split.compiled(which).get_kernel_source()
@@ -268,7 +259,7 @@ def test_design_a_kernels_compile():
     assert "VNorm" not in body
     assert set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", body)) == {("64", "64")}
     assert set(re.findall(r"wgmma_ss<[^>]*>\([^;]*\(acc(\d)\b", body)) == {"0", "1"}
-    wide = _benchmark("probe_wide_backward")
+    wide = benchmark_module("probe_wide_backward")
     src = wide.compiled("48/sender2").get_kernel_source()
     body = src[src.index('extern "C" __global__'):]
     assert "__launch_bounds__(384, 1)" in body and "atomicAdd" not in body

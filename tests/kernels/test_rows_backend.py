@@ -3,9 +3,6 @@ and with dP exact) hold the suite's tolerance on the adversarial magnitudes the 
 term and row sum inside int32 (the models raise otherwise), bitwise stable; on a hot row of peaky terms only the
 dP-exact bound keeps enough bits; the GPU backend refuses CPU tensors before any GPU work."""
 
-import importlib.util
-import pathlib
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,19 +10,10 @@ torch = pytest.importorskip("torch")
 from sparse_mqa_testkit.cases import Case  # noqa: E402
 from sparse_mqa_testkit.cases.tensors import case_tensors  # noqa: E402
 from sparse_mqa_testkit.checks import check_backward_tolerance, check_determinism  # noqa: E402
+from support import benchmark_module  # noqa: E402
 
-HERE = pathlib.Path(__file__).parents[2] / "benchmarks"
-
-
-def _benchmark(name: str):
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ROWS = _benchmark("rows_backend")
-STUDY = _benchmark("study_fixed_point")
+ROWS = benchmark_module("rows_backend")
+STUDY = benchmark_module("study_fixed_point")
 MODEL, EXACT = ROWS.RowsModelBackend(), ROWS.RowsModelExactBackend()
 # the study's adversarial modes at a smaller size (hot: 512 terms a row, heavy cancellation)
 SMALL = dict(STUDY.SHAPE, S=32, Skv=128, L=32)

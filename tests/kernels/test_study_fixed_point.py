@@ -1,24 +1,18 @@
 """``benchmarks/study_fixed_point.py`` (lead 1 of the deterministic backward's speed work): its per-row bound is a
 bound, on the adversarial magnitudes, and the int32 scheme built on it is exact where it should be."""
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
 
 from sparse_mqa_testkit.cases import Case
+from support import benchmark_module
 
 SMALL = dict(B=2, S=12, Skv=24, H=17, L=20, Dqk=64, Dv=32, sink="finite")
 
 
 @pytest.fixture(scope="module")
 def study():
-    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "study_fixed_point.py"
-    spec = importlib.util.spec_from_file_location("study_fixed_point", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("study_fixed_point")
 
 
 @pytest.mark.parametrize("modes", [dict(), dict(magnitude="peaky"), dict(magnitude="spread", pattern="local"),
