@@ -889,24 +889,24 @@ def exact_fixed_point(sums, vmax):
     """float32 [1]: 2**(62 - ceil(log2 G)) for G = sum over queries of VMax_i sum_h A_h + sum_h B_h, which bounds
     the sum of every slot's dP-exact bound (|dP_h| <= |dO_h| |V_j| <= |dO_h| VMax_i; each query's P sums to 1 at
     most); 1 where G is 0."""
-    g = (sums[0] * vmax[..., None]).sum() + sums[1].sum()
-    return torch.where(g > 0, torch.exp2(62 - torch.ceil(torch.log2(g))), torch.ones_like(g)).reshape(1)
+    return fixed_point((sums[0] * vmax[..., None]).sum() + sums[1].sum()).reshape(1)
 
 
 def uw_fixed_points(sums):
     """float32 [2]: 2**(62 - ceil(log2 G)) for G the sum of A_h (of B_h) over every query and head (1 where G is
     0), so neither int64 row sum can pass 2**62."""
-    g = sums.flatten(1).sum(1)
+    return fixed_point(sums.flatten(1).sum(1))
+
+
+def fixed_point(g):
+    """2**(62 - ceil(log2 G)) elementwise (1 where G is 0): integers of G's units stay below 2**62."""
     return torch.where(g > 0, torch.exp2(62 - torch.ceil(torch.log2(g))), torch.ones_like(g))
 
 
 def row_scales_uw(U, W, ex, vnorm):
     """lean4's per-row scales: B_j = |V_j| U_j + W_j (the int64 sums over their fixed points), then ``row_scales``."""
     b = vnorm.double() * (U.double() / ex[0].double()) + W.double() / ex[1].double()
-    f = torch.clamp(ROW_HEADROOM - torch.ceil(torch.log2(b.clamp_min(1e-300))), -120, 120)
-    named = b > 0
-    return (torch.where(named, torch.exp2(f), torch.zeros_like(f)).float(),
-            torch.where(named, torch.exp2(-f), torch.ones_like(f))), b
+    return scales_of(b), b
 
 
 def compiled(which: str, bi: int = 32, dims=(576, 512)):
@@ -941,9 +941,13 @@ def reference_dkv(q, go, P, dS, idx, Skv):
 
 
 def row_scales(row_bound, ex):
-    """Per KV row, 2**F_j with F_j = ROW_HEADROOM - ceil(log2 B_j) (B_j = row_bound / ex), and 2**-F_j; 0 and 1 for a
+    """``scales_of`` the rows' bounds B_j = row_bound / ex."""
+    return scales_of(row_bound.double() / ex.double())
+
+
+def scales_of(b):
+    """Per KV row, 2**F_j with F_j = ROW_HEADROOM - ceil(log2 B_j) (float32), and 2**-F_j (float64); 0 and 1 for a
     row no valid slot names (its terms are all zero)."""
-    b = row_bound.double() / ex.double()
     f = torch.clamp(ROW_HEADROOM - torch.ceil(torch.log2(b.clamp_min(1e-300))), -120, 120)
     named = b > 0
     return (torch.where(named, torch.exp2(f), torch.zeros_like(f)).float(),
@@ -977,8 +981,9 @@ def main(argv=None):
         if a.pipeline:
             exact = (tuple(compiled(k) for k in ("vnorms", "qvmax", "scales1")) if a.pipe_bound == "exact"
                      else None)
-            pipe = (compiled("prepw"), compiled(a.pipe_bound), WIDE.compiled(a.pipe_main),
-                    (compiled("scales"), compiled("convert")) if exact or a.pipe_tail == "kernels" else None, exact)
+            tail = ((None if exact else compiled("scales"), compiled("convert"))
+                    if exact or a.pipe_tail == "kernels" else None)
+            pipe = (compiled("prepw"), compiled(a.pipe_bound), WIDE.compiled(a.pipe_main), tail, exact)
         if torch.cuda.is_available():
             for name in a.shapes:
                 t = WIDE.today(name)
