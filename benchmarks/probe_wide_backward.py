@@ -159,6 +159,13 @@ def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256):
 
     return load_query, zero_rows
 
+def read_parity(kb, c, nch: int):
+    """The sender's ``bar_read`` completes once a chunk, in block-major order (block kb's chunk c is chunk
+    kb * nch + c of the query): staging chunk c of block kb waits for the read of the chunk before it, the
+    barrier's completion kb * nch + c - 1, whose phase parity this is (Python ints or TIR expressions)."""
+    return (kb * nch + c + 1) & 1
+
+
 def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     import tilelang.language as T
 
@@ -346,10 +353,10 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                             if c * C < D:
                                 T.gemm(dO_shared[:, c * C:(c + 1) * C], P_shared, acc_kvt, transpose_A=True)
                             if c > 0:
-                                T.barrier_wait(bar_read, (kb + c + 1) & 1)
+                                T.barrier_wait(bar_read, read_parity(kb, c, NCH))
                             else:
                                 if kb > 0:
-                                    T.barrier_wait(bar_read, (kb + c + 1) & 1)
+                                    T.barrier_wait(bar_read, read_parity(kb, c, NCH))
                             for d, j in T.Parallel(C, BI):
                                 stage[0, j, d] = T.cast(T.round(acc_kvt[d, j] * scale_f[j]), i32)
                             if T.And(tx - 128 < BI, c == 0):

@@ -1,0 +1,99 @@
+"""The stage hand-over of design (a)'s main kernel (``probe_wide_backward.py``'s ``sender`` variants) on CPU: WG1
+stages each dkv chunk into one shared buffer and arrives on ``bar_staged``; the sender warpgroup waits on it, reads
+the chunk, arrives on ``bar_read``, and WG1 waits on that before staging the next chunk. Both barriers are mbarriers
+waited on by phase parity, so a wrong parity either passes early (a chunk overwritten before it is read) or waits
+for a phase already gone (the kernel hangs: it did at Dqk 512, an even chunk count, on the H200, 2026-12-01).
+
+The two parties are simulated step by step under several schedules, with PTX's parity rule: a wait on parity p
+passes once the barrier's current phase has parity other than p."""
+
+import random
+
+import pytest
+
+from support import benchmark_module
+
+WIDE = benchmark_module("probe_wide_backward")
+
+
+class Barrier:
+    def __init__(self):
+        self.phase = 0
+
+    def arrive(self):
+        self.phase += 1
+
+    def passes(self, parity):
+        return (self.phase & 1) != parity
+
+
+def run(n_blk, nch, read_parity, policy, seed=0):
+    """Simulate one query's blocks; returns None, or what went wrong."""
+    staged, read = Barrier(), Barrier()
+    stage = {"chunk": None, "read": -1}  # the chunk in the buffer, the last chunk the sender read
+
+    def stager():
+        for kb in range(n_blk):
+            for c in range(nch):
+                if kb or c:
+                    while not read.passes(read_parity(kb, c, nch)):
+                        yield False
+                g = kb * nch + c
+                if stage["read"] != g - 1:
+                    raise AssertionError(f"chunk {g} staged over chunk {g - 1}, which the sender had not read")
+                stage["chunk"] = g
+                staged.arrive()
+                yield True
+
+    def sender():
+        for kb in range(n_blk):
+            k0 = kb * nch
+            for c in range(nch):
+                while not staged.passes((k0 + c) & 1):
+                    yield False
+                if stage["chunk"] != k0 + c:
+                    raise AssertionError(f"chunk {k0 + c} read while the buffer held chunk {stage['chunk']}")
+                stage["read"] = k0 + c
+                read.arrive()
+                yield True
+
+    parties, rng = {"stager": stager(), "sender": sender()}, random.Random(seed)
+    try:
+        while parties:
+            order = [n for n in (("sender", "stager") if policy == "sender first" else ("stager", "sender"))
+                     if n in parties]
+            if policy == "random":
+                rng.shuffle(order)
+            for name in order:
+                try:
+                    moved = next(parties[name])
+                except StopIteration:
+                    del parties[name]
+                    break
+                if moved:
+                    break
+            else:
+                return f"deadlock: {', '.join(sorted(parties))} waiting, {read.phase} chunks read"
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("nch", [8, 9])  # Dqk 512 and 576 in 64-column chunks
+@pytest.mark.parametrize("n_blk", [1, 2, 3, 5])
+@pytest.mark.parametrize("policy", ["stager first", "sender first", "random"])
+def test_hand_over_never_hangs_or_overwrites(nch, n_blk, policy):
+    for seed in range(3 if policy == "random" else 1):
+        assert run(n_blk, nch, WIDE.read_parity, policy, seed) is None
+
+
+def test_block_local_parity_fails_at_an_even_chunk_count():
+    """The parity the kernel first had, (kb + c + 1) & 1, is the global one only when the chunk count is odd; at 8
+    chunks a block, block 1's first chunk waits for the wrong phase: it hangs when the sender has read chunk 7 by
+    then, and overwrites chunk 7 unread when it has not."""
+    def old(kb, c, nch):
+        return (kb + c + 1) & 1
+
+    assert all(run(2, 9, old, policy) is None for policy in ("stager first", "sender first"))
+    assert run(2, 8, old, "sender first").startswith("deadlock")
+    assert run(2, 8, old, "stager first") == "chunk 8 staged over chunk 7, which the sender had not read"
