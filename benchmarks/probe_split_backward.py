@@ -509,8 +509,37 @@ def build_bound(BI=64, dqk=576):
     return lean_bound4
 
 
+def exact_macros(T, BI: int, HW: int, ROWS: int, dv: int):
+    """The dP-exact bound passes' pieces (``exact``, ``octave``), as T.macro: ``publish`` puts a block's gathered rows
+    where the thread adding its bounds reads them; ``products`` runs a warpgroup's S^T and dP^T on the block;
+    ``bounds`` turns them into each slot's bound over the warpgroup's heads, in shared memory."""
+    PASSES = BI // ROWS
+
+    @T.macro
+    def publish(idx2, jr, p, t):
+        for r in T.unroll(PASSES):
+            if t % 8 == 0:
+                idx2[p, r * ROWS + t // 8] = jr[r]
+
+    @T.macro
+    def products(Q_shared, dO_shared, KVt, acc, accp, w):
+        # this warpgroup's heads [32 w, 32 w + 32) of the block: S^T and dP^T
+        T.gemm(KVt, Q_shared[w * HW:(w + 1) * HW, :], acc, transpose_B=True, clear_accum=True)
+        T.gemm(KVt[:, 0:dv], dO_shared[w * HW:(w + 1) * HW, :], accp, transpose_B=True, clear_accum=True)
+
+    @T.macro
+    def bounds(acc, accp, bsum, bs_s, lse_f, c_f, g_f, d_f, c2, w):
+        # each slot's bound over this warpgroup's heads
+        for j, h in T.Parallel(BI, HW):
+            acc[j, h] = T.exp2(acc[j, h] * c2 - lse_f[h]) * (c_f[h] * T.abs(accp[j, h] - d_f[h]) + g_f[h])
+        T.reduce_sum(acc, bsum, dim=1)
+        T.copy(bsum, bs_s[w, :])
+
+    return publish, products, bounds
+
+
 def build_bound_exact(BI=64, dqk=576, dv=512):
-    """Design (a)'s bound pass with dP itself (``exact``; not run yet): per valid slot, sum over heads of
+    """Design (a)'s bound pass with dP itself (``exact``): per valid slot, sum over heads of
     P (|scale| max|q_h| |dP - Delta_h| + max|dO_h|), bf16 P and dS covered by a 2**-7 margin, added to its KV row as
     one int64 integer (fixed point Ex from ``exact_fixed_point``). S^T = K Q^T and dP^T = V dO^T as [BI slots x 32
     heads] tiles: both warpgroups work on the same block, each on half the heads, since q and dO in shared memory
@@ -528,11 +557,7 @@ def build_bound_exact(BI=64, dqk=576, dv=512):
 
     prefetch_rows, issue = gather_macros(T, BI, ROWS, dqk, ahead=1)
 
-    @T.macro
-    def publish(idx2, jr, p, t):
-        for r in T.unroll(PASSES):
-            if t % 8 == 0:
-                idx2[p, r * ROWS + t // 8] = jr[r]
+    publish, products, bounds = exact_macros(T, BI, HW, ROWS, dv)
 
     @T.macro
     def heads_init(lse_f, c_f, g_f, d_f, Lse2, C, Gm, Delta, b_i, s_i, h0, heads):
@@ -542,20 +567,6 @@ def build_bound_exact(BI=64, dqk=576, dv=512):
             c_f[h] = T.if_then_else(h0 + h < heads, C[b_i, s_i, hh], 0.0)
             g_f[h] = T.if_then_else(h0 + h < heads, Gm[b_i, s_i, hh], 0.0)
             d_f[h] = T.if_then_else(h0 + h < heads, Delta[b_i, s_i, hh], 0.0)
-
-    @T.macro
-    def products(Q_shared, dO_shared, KVt, acc, accp, w):
-        # this warpgroup's heads [32 w, 32 w + 32) of the block: S^T and dP^T
-        T.gemm(KVt, Q_shared[w * HW:(w + 1) * HW, :], acc, transpose_B=True, clear_accum=True)
-        T.gemm(KVt[:, 0:dv], dO_shared[w * HW:(w + 1) * HW, :], accp, transpose_B=True, clear_accum=True)
-
-    @T.macro
-    def bounds(acc, accp, bsum, bs_s, lse_f, c_f, g_f, d_f, c2, w):
-        # each slot's bound over this warpgroup's heads
-        for j, h in T.Parallel(BI, HW):
-            acc[j, h] = T.exp2(acc[j, h] * c2 - lse_f[h]) * (c_f[h] * T.abs(accp[j, h] - d_f[h]) + g_f[h])
-        T.reduce_sum(acc, bsum, dim=1)
-        T.copy(bsum, bs_s[w, :])
 
     @T.prim_func
     def bound_exact(
@@ -629,6 +640,188 @@ def build_bound_exact(BI=64, dqk=576, dv=512):
                 publish(idx2, jr, 1 - kb % 2, tx)
 
     return bound_exact
+
+
+OCTAVES = 257  # a row's bound counts per octave: bucket b holds terms in (2**(b - 128), 2**(b - 127)]; 256 non-finite
+OCTAVE_PRELUDE = r"""
+// one term t >= 0 of a KV row's bound, counted in the octave whose upper end 2**(b - 127) is the smallest power of
+// two >= t (b = 1 for subnormals, 256 for inf and NaN, nothing for 0): integer adds, so order-free and exact
+__device__ __forceinline__ void smqa_octave_add(int* hist, float t) {
+  unsigned int u = __float_as_uint(t) & 0x7fffffffu;
+  if (u == 0u) return;
+  int e = static_cast<int>(u >> 23);
+  int b = e == 255 ? 256 : (e == 0 ? 1 : e + ((u & 0x7fffffu) != 0u));
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(hist + b) : "memory");
+}
+"""
+
+
+def build_bound_octave(BI=64, dqk=576, dv=512):
+    """``exact`` without a prep pass before it (``octave``): each query's Delta_h = dO_h . out_h, |scale| max|q_h|
+    and max|dO_h| come from its own prologue (q and dO are in shared memory by then; out is read once), and Delta
+    is written for the main kernel; each slot's bound (as ``exact``'s, with its 2**-7 margin) is counted in its KV
+    row's octave histogram (``smqa_octave_add``) instead of an int64 sum at a fixed point, so nothing global has to
+    be known first: the row's bound is sum_b count_b 2**(b - 127) (``scaleso``), at most twice ``exact``'s."""
+    import tilelang.language as T
+
+    HG, HW = 64, 32
+    ROWS = 256 // 8
+    PASSES = BI // ROWS
+    batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+    log2e = contract.LOG2E
+    load_query, _ = WIDE.query_tiles(T, dqk, dv, HG)
+    prefetch_rows, issue = gather_macros(T, BI, ROWS, dqk, ahead=1)
+    publish, products, bounds = exact_macros(T, BI, HW, ROWS, dv)
+
+    @T.macro
+    def heads_prep(O, Q_shared, dO_shared, Delta, delta_s, c_s, g_s, ob, st, b_i, s_i, h0, heads, sm_abs, tx):
+        # warp w takes heads w, w + 8, ...: Delta (its lanes' columns in order, then the butterfly), max|q|, max|dO|
+        # (st: Delta, max|dO|, max|q| of the head in hand)
+        w, lane = tx // 32, tx % 32
+        for i in T.serial(HG // 8):
+            h = i * 8 + w
+            hh = T.min(h0 + h, heads - 1)
+            for k in T.unroll(3):
+                st[k] = 0.0
+            for c in T.unroll(dv // 8 // 32):
+                for v in T.vectorized(8):
+                    ob[v] = O[b_i, s_i, hh, (c * 32 + lane) * 8 + v]
+                for v in T.unroll(8):
+                    st[0] += T.cast(ob[v], f32) * T.cast(dO_shared[h, (c * 32 + lane) * 8 + v], f32)
+                    st[1] = T.max(st[1], T.abs(T.cast(dO_shared[h, (c * 32 + lane) * 8 + v], f32)))
+            for c in T.unroll(T.ceildiv(dqk // 8, 32)):
+                if c * 32 + lane < dqk // 8:
+                    for v in T.unroll(8):
+                        st[2] = T.max(st[2], T.abs(T.cast(Q_shared[h, (c * 32 + lane) * 8 + v], f32)))
+            st[0] = T.warp_reduce_sum(st[0])
+            st[1] = T.warp_reduce_max(st[1])
+            st[2] = T.warp_reduce_max(st[2])
+            if lane == 0:
+                delta_s[h] = T.if_then_else(h0 + h < heads, st[0], 0.0)
+                c_s[h] = T.if_then_else(h0 + h < heads, sm_abs * st[2], 0.0)
+                g_s[h] = T.if_then_else(h0 + h < heads, st[1], 0.0)
+                if h0 + h < heads:
+                    Delta[b_i, s_i, h0 + h] = st[0]
+
+    @T.macro
+    def heads_init(lse_f, c_f, g_f, d_f, Lse2, c_s, g_s, delta_s, b_i, s_i, h0, w, heads):
+        for h in T.Parallel(HW):
+            lse_f[h] = T.if_then_else(h0 + w * HW + h < heads, Lse2[b_i, s_i, T.min(h0 + w * HW + h, heads - 1)],
+                                      T.infinity(f32))
+            c_f[h] = c_s[w * HW + h]
+            g_f[h] = g_s[w * HW + h]
+            d_f[h] = delta_s[w * HW + h]
+
+    @T.prim_func
+    def bound_octave(
+        Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
+        O: T.Tensor([batch, seq_len, heads, dv], bf16),
+        dO: T.Tensor([batch, seq_len, heads, dv], bf16),
+        KV: T.Tensor([batch, seq_kv, dqk], bf16),
+        Indices: T.Tensor([batch, seq_len, topk], i32),
+        TopkLen: T.Tensor([batch, seq_len], i32),
+        Lse2: T.Tensor([batch, seq_len, heads], f32),
+        Rows: T.Tensor([n_rows], i32),
+        Delta: T.Tensor([batch, seq_len, heads], f32),
+        Hist: T.Tensor([batch, seq_kv, OCTAVES], i32),
+        sm_scale: f32,
+    ):
+        groups = T.ceildiv(heads, HG)
+        with T.Kernel(n_rows, batch, groups, threads=256, prelude=WIDE.PRELUDE + OCTAVE_PRELUDE) as (bx, by, bz):
+            Q_shared = T.alloc_shared([HG, dqk], bf16)
+            dO_shared = T.alloc_shared([HG, dv], bf16)
+            KVt = T.alloc_shared([BI, dqk], bf16)
+            idx2 = T.alloc_shared([2, BI], i32)
+            bs_s = T.alloc_shared([2, BI], f32)
+            delta_s = T.alloc_shared([HG], f32)
+            c_s = T.alloc_shared([HG], f32)
+            g_s = T.alloc_shared([HG], f32)
+            acc0, acc1 = T.alloc_fragment([BI, HW], f32), T.alloc_fragment([BI, HW], f32)
+            accp0, accp1 = T.alloc_fragment([BI, HW], f32), T.alloc_fragment([BI, HW], f32)
+            bsum0, bsum1 = T.alloc_fragment([BI], f32), T.alloc_fragment([BI], f32)
+            lse0, lse1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
+            c0, c1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
+            g0, g1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
+            d0, d1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
+            nxt = T.alloc_local([PASSES], i32)
+            jr = T.alloc_local([PASSES], i32)
+            ob = T.alloc_local([8], bf16)
+            st = T.alloc_local([3], f32)
+            tx = T.get_thread_binding()
+            b_i, s_i, h0 = by, Rows[bx], bz * HG
+            c2 = sm_scale * log2e
+            n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
+            n_blk = T.ceildiv(n_valid, BI)
+            prefetch_rows(nxt, Indices, b_i, s_i, 0, n_valid, tx)
+            issue(KVt, KV, nxt, jr, Indices, b_i, s_i, 0, n_valid, seq_kv, tx)
+            load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
+            publish(idx2, jr, 0, tx)
+            T.sync_threads()
+            heads_prep(O, Q_shared, dO_shared, Delta, delta_s, c_s, g_s, ob, st, b_i, s_i, h0, heads,
+                       T.abs(sm_scale), tx)
+            T.sync_threads()
+            if tx < 128:
+                heads_init(lse0, c0, g0, d0, Lse2, c_s, g_s, delta_s, b_i, s_i, h0, 0, heads)
+            else:
+                heads_init(lse1, c1, g1, d1, Lse2, c_s, g_s, delta_s, b_i, s_i, h0, 1, heads)
+            T.ptx_wait_group(0)
+            T.fence_proxy_async()
+            T.sync_threads()
+            for kb in T.serial(n_blk):
+                if kb > 0:
+                    T.ptx_wait_group(0)
+                    T.fence_proxy_async()
+                    T.sync_threads()
+                if tx < 128:
+                    products(Q_shared, dO_shared, KVt, acc0, accp0, 0)
+                else:
+                    products(Q_shared, dO_shared, KVt, acc1, accp1, 1)
+                T.sync_threads()
+                issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb + 1, n_valid, seq_kv, tx)
+                if tx < 128:
+                    bounds(acc0, accp0, bsum0, bs_s, lse0, c0, g0, d0, c2, 0)
+                else:
+                    bounds(acc1, accp1, bsum1, bs_s, lse1, c1, g1, d1, c2, 1)
+                T.sync_threads()
+                if tx < BI:
+                    if idx2[kb % 2, tx] >= 0:
+                        T.call_extern("handle", "smqa_octave_add", T.address_of(Hist[b_i, idx2[kb % 2, tx], 0]),
+                                      (bs_s[0, tx] + bs_s[1, tx]) * (1.0 + 2.0 ** -7))
+                publish(idx2, jr, 1 - kb % 2, tx)
+
+    return bound_octave
+
+
+def build_scaleso(BJ=128):
+    """``scaleso``: a row's bound from its octave counts, B_j = sum_b count_b 2**(b - 127) in float64, buckets in
+    order (one thread a row, so the sum's order is fixed), then F_j, the scale and its inverse as ``scales1``."""
+    import tilelang.language as T
+
+    batch, seq_kv = T.dynamic("batch, seq_kv")
+    f32, f64, i32 = T.float32, T.float64, T.int32
+
+    @T.prim_func
+    def row_scaleo(
+        Hist: T.Tensor([batch, seq_kv, OCTAVES], i32),
+        Scale: T.Tensor([batch, seq_kv], f32),
+        Inv: T.Tensor([batch, seq_kv], f32),
+    ):
+        with T.Kernel(T.ceildiv(seq_kv, BJ), batch, threads=BJ) as (bx, by):
+            bnd = T.alloc_var(f64)
+            j = bx * BJ + T.get_thread_binding()
+            jj = T.min(j, seq_kv - 1)
+            bnd = 0.0
+            for b in T.serial(OCTAVES - 1):
+                bnd += T.cast(Hist[by, jj, b + 1], f64) * T.exp2(T.cast(b - 126, f64))
+            if Hist[by, jj, OCTAVES - 1] > 0:
+                bnd = T.infinity(f64)
+            f = T.max(T.min(29.0 - T.ceil(T.log2(bnd)), 120.0), -120.0)
+            if j < seq_kv:
+                Scale[by, j] = T.cast(T.if_then_else(bnd > 0.0, T.exp2(f), 0.0), f32)
+                Inv[by, j] = T.cast(T.if_then_else(bnd > 0.0, T.exp2(-f), 1.0), f32)
+
+    return row_scaleo
 
 
 def build_vnorms(dqk=576, dv=512, WPB=8):
@@ -885,6 +1078,13 @@ def prep_w(kp, t, exact=None):
     return delta, C, Gm, lse2, exact_fixed_point(sums, vmax)
 
 
+def octave_bounds(hist):
+    """float64 [B, Skv]: each row's bound from ``octave``'s counts, as ``scaleso`` forms it (inf where a term was)."""
+    w = torch.exp2(torch.arange(OCTAVES - 1, device=hist.device, dtype=torch.float64) - 126)
+    b = (hist[..., 1:].double() * w).sum(-1)
+    return torch.where(hist[..., -1] > 0, torch.full_like(b, float("inf")), b)
+
+
 def exact_fixed_point(sums, vmax):
     """float32 [1]: 2**(62 - ceil(log2 G)) for G = sum over queries of VMax_i sum_h A_h + sum_h B_h, which bounds
     the sum of every slot's dP-exact bound (|dP_h| <= |dO_h| |V_j| <= |dO_h| VMax_i; each query's P sums to 1 at
@@ -919,6 +1119,8 @@ def compiled(which: str, bi: int = 32, dims=(576, 512)):
     dqk, dv = dims
     program = (build_b(bi) if which == "b" else build_bound(dqk=dqk) if which == "lean4"
                else build_bound_exact(dqk=dqk, dv=dv) if which == "exact"
+               else build_bound_octave(dqk=dqk, dv=dv) if which == "octave"
+               else build_scaleso() if which == "scaleso"
                else build_prepw(dqk, dv) if which == "prepw" else build_scales(dqk, dv) if which == "scales"
                else build_vnorms(dqk, dv) if which == "vnorms" else build_qvmax() if which == "qvmax"
                else build_scales1() if which == "scales1" else build_convert(dqk) if which == "convert"
@@ -962,7 +1164,7 @@ def main(argv=None):
     p.add_argument("--b-only", action="store_true", help="kernel B alone on random P and dS, against torch in float64")
     p.add_argument("--bound", action="store_true", help="the bound kernels (--kernels) and design (a)'s prep alone, "
                    "and their per-row bounds against today's exact dkv")
-    p.add_argument("--kernels", default="lean4", help=f"--bound's kernels: lean4, exact and kernel A's bound modes "
+    p.add_argument("--kernels", default="lean4", help=f"--bound's kernels: lean4, exact, octave and kernel A's bound modes "
                    f"({', '.join(A_MODES[1:])})")
     p.add_argument("--pipeline", action="store_true", help="design (a) end to end (prep, bound pass, main kernel, "
                    "conversion) beside today's call")
@@ -976,7 +1178,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.bound or a.pipeline:
         names = ["prepw", *a.kernels.split(",")]
-        names += ["vnorms", "qvmax"] if "exact" in names else []
+        names += ["vnorms", "qvmax"] if "exact" in names else []  # (octave needs neither)
         kbs = {m: compiled(m) for m in names} if a.bound else {}
         if a.pipeline:
             exact = (tuple(compiled(k) for k in ("vnorms", "qvmax", "scales1")) if a.pipe_bound == "exact"
@@ -1085,8 +1287,14 @@ def bound_only(kbs, t, name, a):
         row_u = torch.zeros(B, t.Skv, dtype=torch.int64, device="cuda")
         row_w = torch.zeros_like(row_u)
 
+        if mode == "octave":
+            hist = torch.zeros(B, t.Skv, OCTAVES, dtype=torch.int32, device="cuda")
+            delta_o = torch.empty_like(delta)
+
         def call():
-            if mode == "lean4":
+            if mode == "octave":
+                k(t.q, t.out, t.go, t.kv, t.idx, t.tl, lse2, t.rows, delta_o, hist, t.sm)
+            elif mode == "lean4":
                 k(t.q, t.kv, t.idx, t.tl, lse2, A, Bc, t.rows, ex, row_u, row_w, t.sm)
             elif mode == "exact":
                 k(t.q, t.go, t.kv, t.idx, t.tl, lse2, delta, C, Gm, t.rows, ex1, row_u, t.sm)
@@ -1096,18 +1304,25 @@ def bound_only(kbs, t, name, a):
         ms = WIDE.time_ms(call, a.iters)
         row_u.zero_()
         row_w.zero_()
+        if mode == "octave":
+            hist.zero_()
         call()
         bj = bounds[mode] = (row_scales_uw(row_u, row_w, ex, vnorm)[1] if mode == "lean4"
+                             else octave_bounds(hist) if mode == "octave"
                              else row_u.double() / (ex1 if mode == "exact" else ex_a).double())
+        if mode == "octave":
+            print(f"  octave's Delta bitwise prepw's: {torch.equal(delta_o, delta)}", flush=True)
         gap = torch.log2(bj[named] / rmax[named])
         q = torch.quantile(gap.float(), torch.tensor([0.5, 0.99], device="cuda"))
         print(f"  {mode}: {ms:.3f} ms; log2(B_j / max|dkv_j|) min {gap.min().item():.2f} median {q[0].item():.2f} "
               f"p99 {q[1].item():.2f} max {gap.max().item():.2f} over {int(named.sum())} named rows", flush=True)
-    for mine, theirs in (("lean4", "bound1"), ("exact", "bound2")):
+    for mine, theirs, why in (("lean4", "bound1", "the same |dP|, a 2**-7 margin"),
+                              ("exact", "bound2", "the same |dP|, a 2**-7 margin"),
+                              ("octave", "exact", "each term up to a power of two")):
         if mine in bounds and theirs in bounds:
             r = torch.log2(bounds[mine][named] / bounds[theirs][named])
-            print(f"  {mine} against kernel A's {theirs} (the same |dP|, a 2**-7 margin): log2 ratio "
-                  f"{r.min().item():.4f} .. {r.max().item():.4f}", flush=True)
+            print(f"  {mine} against {theirs} ({why}): log2 ratio {r.min().item():.4f} .. {r.max().item():.4f}",
+                  flush=True)
 
 
 def pipeline(kp, kl, ks, tail, exact, t, name, a):

@@ -18,7 +18,10 @@ check on CPU that the bound holds wherever they reach.
 ``RowsExactBackend`` is the same with the bound pass that takes dP itself (``exact``: S and dP products, one int64
 sum a row; ``vnorms`` and ``qvmax`` give each query's largest named |V_j| for its fixed point; ``scales1``), which the
 CPU models show design (a) needs on hot rows of peaky logits; the suite's ci profile and scale tier pass on it at
-576/512 on the H200.
+576/512 on the H200. ``RowsOctaveBackend`` drops the prep pass, ``vnorms`` and ``qvmax``: its bound pass
+(``octave``) forms Delta and the per-head factors itself and counts each slot's bound in its KV row's octave
+(integer adds need no fixed point, so nothing global has to be known first); ``scaleso`` sums the counts into row
+scales. Its bound is at most twice ``exact``'s (one bit of each row's int32; ``RowsModelOctaveBackend`` models it on CPU).
 
 Every sum is integer or in a fixed order, so the result is bitwise stable. It declares Dqk 576 / Dv 512, where it
 has run through the suite; its kernels build for 512 / 512 too (``_kernels``), not yet through the suite there
@@ -27,6 +30,7 @@ has run through the suite; its kernels build for 512 / 512 too (``_kernels``), n
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import pathlib
 
@@ -39,6 +43,7 @@ from sparse_mqa_testkit.backends.validate import check_backward_args
 HERE = pathlib.Path(__file__).parent
 
 
+@functools.lru_cache(maxsize=None)
 def _probe(name: str):
     spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
@@ -66,6 +71,8 @@ class RowsBackend(BackendBase):
             raise MissingDependency(f"tilelang-rows needs TileLang 0.1.15 ({exc})") from exc
 
     def _names(self):
+        if self.bound == "octave":  # no prep pass: the bound pass forms Delta and counts octaves
+            return (("bound", "octave"), ("scales", "scaleso"), ("convert", "convert"))
         extra = (("vnorms", "vnorms"), ("qvmax", "qvmax"), ("scales", "scales1")) if self.bound == "exact" else \
             (("scales", "scales"),)
         return (("prep", "prepw"), ("bound", self.bound), ("convert", "convert"), *extra)
@@ -88,15 +95,17 @@ class RowsBackend(BackendBase):
         return sparse_mqa_forward(q, kv, indices, sm_scale, d_v, attn_sink=attn_sink, topk_length=topk_length)
 
     def workspace_bytes(self, case, direction: str = "backward") -> int:
-        """An upper bound on what a backward call holds beside its outputs: the int32 dkv sums (4 a dkv element);
+        """An upper bound on what a backward call holds beside its outputs: the int32 dkv sums (4 a dkv element)
+        (``octave``: and its octave counts, 4 bytes each a KV row);
         per KV row U, W, |V_j|, scale and inverse (28); per (query, head) Delta, A_h, B_h, C_h, G_h, the kernel LSE
         and its torch temporaries, the sink probability and d_sink's product (72 in all); per query the head
         blocks' sums, VMax, the row ids and topk_length's stand-in; 64 KiB of scalars."""
         if direction == "forward":
             return 0
         B, S, Skv, H, Dqk = case.B, case.S, case.Skv, case.H, case.Dqk
+        octaves = 4 * _probe("probe_split_backward").OCTAVES * B * Skv if self.bound == "octave" else 0
         return (4 * B * Skv * Dqk + 28 * B * Skv + 4 * B * Dqk + 72 * B * S * H
-                + 8 * B * S * -(-H // 8) + 12 * B * S + 4 * S + (64 << 10))
+                + 8 * B * S * -(-H // 8) + 12 * B * S + 4 * S + (64 << 10) + octaves)
 
     def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
         d = check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length,
@@ -109,13 +118,20 @@ class RowsBackend(BackendBase):
             tl = (torch.full((d.B, d.S), d.L, dtype=torch.int32, device=dev) if topk_length is None
                   else topk_length.contiguous())
             rows = torch.arange(d.S, dtype=torch.int32, device=dev)
-            delta, A, Bc, C, Gm = (torch.empty(d.B, d.S, d.H, dtype=torch.float32, device=dev) for _ in range(5))
-            sums = torch.empty(2, d.B, d.S, -(-d.H // 8), dtype=torch.float32, device=dev)
-            k["prep"](q, out, grad_out, delta, A, Bc, C, Gm, sums, sm)
             lse2 = contract.lse_to_base2(lse, attn_sink).contiguous()
-            row_u = torch.zeros(d.B, d.Skv, dtype=torch.int64, device=dev)
             scale = torch.empty(d.B, d.Skv, dtype=torch.float32, device=dev)
             inv = torch.empty_like(scale)
+            delta = torch.empty(d.B, d.S, d.H, dtype=torch.float32, device=dev)
+            if self.bound == "octave":
+                hist = torch.zeros(d.B, d.Skv, k["split"].OCTAVES, dtype=torch.int32, device=dev)
+                k["bound"](q, out, grad_out, kv, indices, tl, lse2, rows, delta, hist, sm)
+                k["scales"](hist, scale, inv)
+                del hist
+            else:
+                A, Bc, C, Gm = (torch.empty(d.B, d.S, d.H, dtype=torch.float32, device=dev) for _ in range(4))
+                sums = torch.empty(2, d.B, d.S, -(-d.H // 8), dtype=torch.float32, device=dev)
+                k["prep"](q, out, grad_out, delta, A, Bc, C, Gm, sums, sm)
+                row_u = torch.zeros(d.B, d.Skv, dtype=torch.int64, device=dev)
             if self.bound == "exact":
                 vnorm = torch.empty(d.B, d.Skv, dtype=torch.float32, device=dev)
                 vmax = torch.empty(d.B, d.S, dtype=torch.float32, device=dev)
@@ -124,12 +140,13 @@ class RowsBackend(BackendBase):
                 ex = k["split"].exact_fixed_point(sums, vmax)
                 k["bound"](q, grad_out, kv, indices, tl, lse2, delta, C, Gm, rows, ex, row_u, sm)
                 k["scales"](row_u, ex, scale, inv)
-            else:
+                del row_u
+            elif self.bound == "lean4":
                 ex = k["split"].uw_fixed_points(sums)
                 row_w = torch.zeros_like(row_u)
                 k["bound"](q, kv, indices, tl, lse2, A, Bc, rows, ex, row_u, row_w, sm)
                 k["scales"](kv, row_u, row_w, ex, scale, inv)
-            del row_u
+                del row_u
             acc = torch.zeros(d.B, d.Skv, d.Dqk, dtype=torch.int32, device=dev)
             dq = torch.empty(d.B, d.S, d.H, d.Dqk, dtype=torch.bfloat16, device=dev)
             keep = torch.zeros(d.B, d.Dqk, dtype=torch.float32, device=dev)
@@ -150,6 +167,15 @@ class RowsExactBackend(RowsBackend):
     bound = "exact"
 
 
+class RowsOctaveBackend(RowsBackend):
+    """``RowsExactBackend`` without a prep pass: the bound pass (``octave``) forms Delta and its per-head factors in
+    its own prologue and counts each slot's bound in its KV row's octave (no fixed point to fix first); ``scaleso``
+    turns the counts into row scales. The bound is at most twice ``exact``'s."""
+
+    name = "tilelang-rows-octave"
+    bound = "octave"
+
+
 class RowsModelBackend(BackendBase):
     """Design (a)'s arithmetic in NumPy (see the module docstring), on CPU torch tensors. ``dp``: how the bound
     takes |dP| (``study_fixed_point.row_bound``): "norms" as ``lean4`` does (|dO_h| |V_j|), "exact" from dP itself
@@ -161,6 +187,7 @@ class RowsModelBackend(BackendBase):
     dims = None
     tiles = {"head_group": 16, "topk_block": 16}
     dp = "norms"
+    octaves = False
 
     def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
         import numpy as np
@@ -183,7 +210,11 @@ class RowsModelBackend(BackendBase):
         blocks = list(bm.blocks(q, kv, go, lse, sink, idx, sm, tl, prep, dq))
         bound = np.zeros((B, Skv), dtype=np.float32)
         for blk in blocks:
-            np.add.at(bound, blk.rows, study.row_bound(blk, kv, Dv, sm, self.dp) * np.float32(1.0 + 2.0**-7))
+            t = study.row_bound(blk, kv, Dv, sm, self.dp) * np.float32(1.0 + 2.0**-7)
+            if self.octaves:  # each term up to the power of two above it (the bucket's own bound)
+                with np.errstate(divide="ignore"):
+                    t = np.where(t > 0, np.exp2(np.ceil(np.log2(t.astype(np.float64)))), 0).astype(np.float32)
+            np.add.at(bound, blk.rows, t)
         with np.errstate(divide="ignore", invalid="ignore"):
             f = np.clip(study.HEADROOM - np.ceil(np.log2(bound.astype(np.float64))), -120, 120)
         named = bound > 0
@@ -214,3 +245,12 @@ class RowsModelExactBackend(RowsModelBackend):
 
     name = "tilelang-rows-model-exact"
     dp = "exact"
+
+
+class RowsModelOctaveBackend(RowsModelExactBackend):
+    """``RowsModelExactBackend`` with each (query, slot) term of a row's bound rounded up to a power of two before the
+    row's sum: a bound pass that counts its terms per octave and row (integer adds: no fixed point, so no prep pass
+    to fix one) gives this bound, at most twice the exact-dP one."""
+
+    name = "tilelang-rows-model-octave"
+    octaves = True

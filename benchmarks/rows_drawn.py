@@ -1,7 +1,8 @@
 """Design (a)'s precision on drawn cases (CPU): each case the suite's strategy draws for a backend (or, ``--grid``,
 each of a grid of hot rows: one to four KV rows named by 64-256 queries, peaky / spread / unit magnitudes) is judged for
 today's model (``tilelang-model``, int64 with one F a call) and for design (a)'s model with each bound
-(``rows_backend.RowsModelBackend``: |dP| <= |dO_h| |V_j|, as ``lean4``; ``RowsModelExactBackend``: dP itself), and
+(``rows_backend.RowsModelBackend``: |dP| <= |dO_h| |V_j|, as ``lean4``; ``RowsModelExactBackend``: dP itself;
+``RowsModelOctaveBackend``: dP itself, each term up to a power of two, as ``octave`` counts it), and
 the cases where design (a) fails and today's model passes are listed: what int32 per row costs, apart from what
 both share.
 
@@ -31,7 +32,8 @@ def main(argv=None) -> None:
     import rows_backend
 
     today = TileLangModelBackend()
-    rows = {"norms": rows_backend.RowsModelBackend(), "exact": rows_backend.RowsModelExactBackend()}
+    rows = {"norms": rows_backend.RowsModelBackend(), "exact": rows_backend.RowsModelExactBackend(),
+            "octave": rows_backend.RowsModelOctaveBackend()}
     fails = {k: 0 for k in ("today", *rows)}
     only = {k: [] for k in rows}
     t0 = time.time()

@@ -245,7 +245,8 @@ def test_design_a_kernels_compile():
     warp (no atomics); ``lean4`` runs S^T alone as [64 slots x 64 heads] tiles, one accumulator per warpgroup, and adds
     each slot's two bound sums to its row's U and W only with red.add.u64 (no |V_j| read); ``scales`` and ``convert``
     use no atomics; ``48/sender2`` is ``sender`` with each block's rows read during the block before. All of them
-    build for Dqk 512 / Dv 512 as well; so does the dP-exact bound pass for 576 / 512."""
+    build for Dqk 512 / Dv 512 as well; so do the dP-exact bound pass for 576 / 512 and the octave bound pass for
+    both."""
     split = benchmark_module("probe_split_backward")
     bodies = {}
     for which in ("prepw", "lean4", "scales", "convert"):
@@ -279,3 +280,12 @@ def test_design_a_kernels_compile():
     assert "atomicAdd" not in body
     for which in ("vnorms", "qvmax", "scales1"):
         assert "atomicAdd" not in split.compiled(which).get_kernel_source(), which
+    # the octave bound pass: exact's products, Delta formed and written in its prologue, each slot's bound counted in
+    # its row's octave (an integer add) instead of an int64 sum at a fixed point; both dims
+    for dims in ((576, 512), (512, 512)):
+        src = split.compiled("octave", dims=dims).get_kernel_source()
+        body = src[src.index('extern "C" __global__'):]
+        assert set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", body)) == {("64", "32")}
+        assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+)\(\(", body)) == {"smqa_octave_add"}
+        assert "Delta[" in body and "tl::warp_reduce_sum" in body and "atomicAdd" not in body
+        assert "atomicAdd" not in split.compiled("scaleso", dims=dims).get_kernel_source()
