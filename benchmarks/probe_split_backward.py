@@ -661,7 +661,8 @@ def build_bound_octave(BI=64, dqk=576, dv=512):
     and max|dO_h| come from its own prologue (q and dO are in shared memory by then; out is read once), and Delta
     is written for the main kernel; each slot's bound (as ``exact``'s, with its 2**-7 margin) is counted in its KV
     row's octave histogram (``smqa_octave_add``) instead of an int64 sum at a fixed point, so nothing global has to
-    be known first: the row's bound is sum_b count_b 2**(b - 127) (``scaleso``), at most twice ``exact``'s."""
+    be known first: the row's bound is sum_b count_b 2**(b - 127) (``scaleso``), at most twice ``exact``'s. Its q and
+    dO arrive by cp.async, all in flight at once (``query_tiles``' "async")."""
     import tilelang.language as T
 
     HG, HW = 64, 32
@@ -670,7 +671,7 @@ def build_bound_octave(BI=64, dqk=576, dv=512):
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
-    load_query, _ = WIDE.query_tiles(T, dqk, dv, HG)
+    load_query, _ = WIDE.query_tiles(T, dqk, dv, HG, copies="async")
     prefetch_rows, issue = gather_macros(T, BI, ROWS, dqk, ahead=1)
     publish, products, bounds = exact_macros(T, BI, HW, ROWS, dv)
 
@@ -757,6 +758,7 @@ def build_bound_octave(BI=64, dqk=576, dv=512):
             issue(KVt, KV, nxt, jr, Indices, b_i, s_i, 0, n_valid, seq_kv, tx)
             load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
             publish(idx2, jr, 0, tx)
+            T.ptx_wait_group(0)  # q and dO (and the first block) in shared memory
             T.sync_threads()
             heads_prep(O, Q_shared, dO_shared, Delta, delta_s, c_s, g_s, ob, st, b_i, s_i, h0, heads,
                        T.abs(sm_scale), tx)

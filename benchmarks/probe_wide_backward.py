@@ -22,6 +22,9 @@ holds an int32 staging buffer. A variant ``BI/mode``:
   the rows' scales with the rows.
 - ``sender2``: as ``sender``, each block's KV rows read from the indices during the block before (after its copies
   are issued) and their scales after its products, so neither load waits in front of the block's copies.
+- ``sender4``: ``sender2`` with the query's q and dO copied by cp.async, all in flight at once (``query_tiles``'
+  "async"), where the plain loads keep two to four in flight: about ten round trips to memory a query, a per-query
+  cost that L512 feels four times more than the anchor.
 
 Send paths measured and dropped (BENCHMARKS.md, 2026-12-01 17:59-18:31 UTC, at commit 2f9abda): an unrolled ``line``
 without the memory clobber, a sender that forms row pointers every chunk, staging in an opaque helper, a 288 / 288 dq
@@ -118,11 +121,17 @@ __device__ __forceinline__ void smqa_send_block(const int* stage, int* acc, int 
 """
 
 
-def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256):
+def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256, copies: str = "sync"):
     """Two T.macro pieces the probes' kernels share: ``load_query`` puts one query's q and dO rows of a head group
     into shared memory, 16 bytes a thread, padded heads as zero (q only when ``dv`` is 0); ``zero_rows`` zeroes a
-    [rows x dqk] tile (a KV block starts at zero, so a slot never gathered holds finite values)."""
+    [rows x dqk] tile (a KV block starts at zero, so a slot never gathered holds finite values).
+
+    ``copies``: "sync" loads into registers and stores (the compiler keeps two or four loads in flight, so a query's
+    136 KB take about ten round trips to memory); "async" issues every row as cp.async, all in flight at once, and
+    commits them as one group: the caller waits (``T.ptx_wait_group``) before its barrier."""
     bf16 = T.bfloat16
+    if copies not in ("sync", "async"):
+        raise ValueError(f"copies is sync or async, got {copies!r}")
 
     def rows_loader(D: int):
         CHUNKS = HG * (D // 8)
@@ -133,10 +142,19 @@ def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256):
             for i in T.serial(T.ceildiv(CHUNKS, threads)):
                 c = i * threads + tx
                 if c < CHUNKS:
-                    for v in T.vectorized(8):
-                        dst[c // (D // 8), (c % (D // 8)) * 8 + v] = T.if_then_else(
-                            h0 + c // (D // 8) < heads, src[b_i, s_i, h0 + c // (D // 8), (c % (D // 8)) * 8 + v],
-                            T.cast(0, bf16))
+                    if copies == "async":
+                        if h0 + c // (D // 8) < heads:
+                            T.ptx_cp_async(T.access_ptr(dst[c // (D // 8), (c % (D // 8)) * 8], "w", 8),
+                                           T.access_ptr(src[b_i, s_i, h0 + c // (D // 8), (c % (D // 8)) * 8], "r",
+                                                        8), 8)
+                        else:
+                            for v in T.vectorized(8):
+                                dst[c // (D // 8), (c % (D // 8)) * 8 + v] = T.cast(0, bf16)
+                    else:
+                        for v in T.vectorized(8):
+                            dst[c // (D // 8), (c % (D // 8)) * 8 + v] = T.if_then_else(
+                                h0 + c // (D // 8) < heads,
+                                src[b_i, s_i, h0 + c // (D // 8), (c % (D // 8)) * 8 + v], T.cast(0, bf16))
 
         return load_rows
 
@@ -148,6 +166,8 @@ def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256):
         load_q(Q, Q_shared, b_i, s_i, h0, heads, tx)
         if dv > 0:
             load_do(dO, dO_shared, b_i, s_i, h0, heads, tx)
+        if copies == "async":
+            T.ptx_commit_group()
 
     @T.macro
     def zero_rows(tile, rows, tx):
@@ -169,7 +189,8 @@ def read_parity(kb, c, nch: int):
 def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     import tilelang.language as T
 
-    prefetch = mode == "sender2"  # sender, each block's rows and scales loaded during the block before
+    prefetch = mode in ("sender2", "sender4")  # sender, each block's rows and scales loaded during the block before
+    copies = "async" if mode == "sender4" else "sync"
     reds = "none_t" if (mode == "none" and BI < 64) else "sender" if prefetch else mode
     if BI not in (32, 48, 64) or mode not in MODES:
         raise ValueError(f"variant {BI}/{mode}: BI is 32, 48 or 64 and mode one of {', '.join(MODES)}")
@@ -184,7 +205,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     PASSES = BI // ROWS_PER_PASS
     CHUNKS = dqk // 64
     threads = 384 if reds == "sender" else 256
-    load_query, zero_rows = query_tiles(T, dqk, dv, HG, threads)
+    load_query, zero_rows = query_tiles(T, dqk, dv, HG, threads, copies)
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
@@ -257,6 +278,8 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
             n_blk = T.ceildiv(n_valid, BI)
             load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
             zero_rows(KV_shared, BI, tx)
+            if copies == "async":
+                T.ptx_wait_group(0)
             T.fence_proxy_async()
             T.sync_threads()
 
@@ -464,7 +487,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     return wide_bwd
 
 
-MODES = ("none", "stage", "bulk", "line", "batched", "sender", "sender2")
+MODES = ("none", "stage", "bulk", "line", "batched", "sender", "sender2", "sender4")
 # sender's registers per thread (setmaxnreg): the launch gives each thread 168 (65536 / 384, rounded down to 8) and an
 # increase only takes what a decrease gave back, so 2 x NREG_MMA + NREG_SEND must stay within 3 x 168
 NREG_MMA, NREG_SEND = 224, 56
@@ -554,7 +577,7 @@ def main(argv=None):
                 k(t.q, t.kv, t.go, t.idx, t.tl, t.lse2, t.delta, t.rows, dq, keep, row_scale, acc32, t.sm)
             ms = time_ms(call, a.iters)
             extra = ""
-            if v.split("/")[1] in ("bulk", "line", "batched", "sender", "sender2"):
+            if v.split("/")[1] in ("bulk", "line", "batched", "sender", "sender2", "sender4"):
                 acc32.zero_()
                 call()
                 extra = f"; dkv against today's exact sum: {dkv_error(acc32.double() / divisor[..., None], t.exact)}"

@@ -54,6 +54,7 @@ def _probe(name: str):
 class RowsBackend(BackendBase):
     name = "tilelang-rows"
     bound = "lean4"  # |dP| <= |dO_h| |V_j|; RowsExactBackend takes dP itself
+    main = "48/sender2"  # probe_wide_backward.py's variant
     device = "cuda"
     deterministic = True
     graph_safe = True  # no host reads of the data; every kernel and torch op on the current stream
@@ -81,13 +82,13 @@ class RowsBackend(BackendBase):
         if dims not in self._k:
             split = _probe("probe_split_backward")
             k = {name: split.compiled(which, dims=dims) for name, which in self._names()}
-            self._k[dims] = dict(k, main=split.WIDE.compiled("48/sender2", dims), split=split)
+            self._k[dims] = dict(k, main=split.WIDE.compiled(self.main, dims), split=split)
         return self._k[dims]
 
     def warmup(self, cases=None) -> list[str]:
         for dims in self.dims:
             self._kernels(dims)
-        return [f"{which} {dqk}/{dv}" for dqk, dv in self.dims for _, which in (*self._names(), ("", "48/sender2"))]
+        return [f"{which} {dqk}/{dv}" for dqk, dv in self.dims for _, which in (*self._names(), ("", self.main))]
 
     def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
         from sparse_mqa_kernels.forward import sparse_mqa_forward
@@ -170,10 +171,12 @@ class RowsExactBackend(RowsBackend):
 class RowsOctaveBackend(RowsBackend):
     """``RowsExactBackend`` without a prep pass: the bound pass (``octave``) forms Delta and its per-head factors in
     its own prologue and counts each slot's bound in its KV row's octave (no fixed point to fix first); ``scaleso``
-    turns the counts into row scales. The bound is at most twice ``exact``'s."""
+    turns the counts into row scales. The bound is at most twice ``exact``'s. Both kernels copy a query's q and dO
+    with cp.async (``48/sender4``)."""
 
     name = "tilelang-rows-octave"
     bound = "octave"
+    main = "48/sender4"
 
 
 class RowsModelBackend(BackendBase):

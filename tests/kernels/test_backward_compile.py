@@ -289,3 +289,12 @@ def test_design_a_kernels_compile():
         assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+)\(\(", body)) == {"smqa_octave_add"}
         assert "Delta[" in body and "tl::warp_reduce_sum" in body and "atomicAdd" not in body
         assert "atomicAdd" not in split.compiled("scaleso", dims=dims).get_kernel_source()
+        # q and dO by cp.async, waited for before the prologue reads them (as in sender4, below)
+        assert body.index("tl::cp_async_commit()") < body.index("tl::cp_async_wait<0>()") < body.index("Delta[")
+        assert "*(uint4*)(Q + " not in body and "*(uint4*)(dO + " not in body
+        # sender4: sender2 with the query's q and dO copied by cp.async, all committed, then one wait
+        body = wide.compiled("48/sender4", dims).get_kernel_source()
+        body = body[body.index('extern "C" __global__'):]
+        first_wait = body.index("tl::cp_async_wait<0>()")
+        assert body.index("Q_shared)[") < body.index("tl::cp_async_commit()") < first_wait
+        assert "*(uint4*)(Q + " not in body and "*(uint4*)(dO + " not in body  # no load through registers
