@@ -674,22 +674,29 @@ def build_bound_octave(BI=64, dqk=576, dv=512):
     load_query, _ = WIDE.query_tiles(T, dqk, dv, HG, copies="async")
     prefetch_rows, issue = gather_macros(T, BI, ROWS, dqk, ahead=1)
     publish, products, bounds = exact_macros(T, BI, HW, ROWS, dv)
+    OC = dv // 8 // 32  # 16-byte chunks of out a lane, per head
 
     @T.macro
-    def heads_prep(O, Q_shared, dO_shared, Delta, delta_s, c_s, g_s, ob, st, b_i, s_i, h0, heads, sm_abs, tx):
-        # warp w takes heads w, w + 8, ...: Delta (its lanes' columns in order, then the butterfly), max|q|, max|dO|
-        # (st: Delta, max|dO|, max|q| of the head in hand)
+    def out_rows(O, ob, b_i, s_i, h0, heads, tx):
+        # this lane's columns of out for its warp's heads w, w + 8, ..., all loads in flight together (into registers)
         w, lane = tx // 32, tx % 32
-        for i in T.serial(HG // 8):
+        for i in T.unroll(HG // 8):
+            for c in T.unroll(OC):
+                for v in T.vectorized(8):
+                    ob[(i * OC + c) * 8 + v] = O[b_i, s_i, T.min(h0 + i * 8 + w, heads - 1), (c * 32 + lane) * 8 + v]
+
+    @T.macro
+    def heads_prep(Q_shared, dO_shared, delta_s, c_s, g_s, ob, st, h0, heads, sm_abs, tx):
+        # warp w takes heads w, w + 8, ...: Delta (its lanes' columns in order, then the butterfly), max|q|, max|dO|
+        # (st: Delta, max|dO|, max|q| of the head in hand); Delta goes out after this (no global store in here)
+        w, lane = tx // 32, tx % 32
+        for i in T.unroll(HG // 8):
             h = i * 8 + w
-            hh = T.min(h0 + h, heads - 1)
             for k in T.unroll(3):
                 st[k] = 0.0
-            for c in T.unroll(dv // 8 // 32):
-                for v in T.vectorized(8):
-                    ob[v] = O[b_i, s_i, hh, (c * 32 + lane) * 8 + v]
+            for c in T.unroll(OC):
                 for v in T.unroll(8):
-                    st[0] += T.cast(ob[v], f32) * T.cast(dO_shared[h, (c * 32 + lane) * 8 + v], f32)
+                    st[0] += T.cast(ob[(i * OC + c) * 8 + v], f32) * T.cast(dO_shared[h, (c * 32 + lane) * 8 + v], f32)
                     st[1] = T.max(st[1], T.abs(T.cast(dO_shared[h, (c * 32 + lane) * 8 + v], f32)))
             for c in T.unroll(T.ceildiv(dqk // 8, 32)):
                 if c * 32 + lane < dqk // 8:
@@ -702,8 +709,6 @@ def build_bound_octave(BI=64, dqk=576, dv=512):
                 delta_s[h] = T.if_then_else(h0 + h < heads, st[0], 0.0)
                 c_s[h] = T.if_then_else(h0 + h < heads, sm_abs * st[2], 0.0)
                 g_s[h] = T.if_then_else(h0 + h < heads, st[1], 0.0)
-                if h0 + h < heads:
-                    Delta[b_i, s_i, h0 + h] = st[0]
 
     @T.macro
     def heads_init(lse_f, c_f, g_f, d_f, Lse2, c_s, g_s, delta_s, b_i, s_i, h0, w, heads):
@@ -747,7 +752,7 @@ def build_bound_octave(BI=64, dqk=576, dv=512):
             d0, d1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
             nxt = T.alloc_local([PASSES], i32)
             jr = T.alloc_local([PASSES], i32)
-            ob = T.alloc_local([8], bf16)
+            ob = T.alloc_local([HG // 8 * dv // 32], bf16)  # this thread's out columns of its warp's 8 heads
             st = T.alloc_local([3], f32)
             tx = T.get_thread_binding()
             b_i, s_i, h0 = by, Rows[bx], bz * HG
@@ -757,12 +762,14 @@ def build_bound_octave(BI=64, dqk=576, dv=512):
             prefetch_rows(nxt, Indices, b_i, s_i, 0, n_valid, tx)
             issue(KVt, KV, nxt, jr, Indices, b_i, s_i, 0, n_valid, seq_kv, tx)
             load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
+            out_rows(O, ob, b_i, s_i, h0, heads, tx)
             publish(idx2, jr, 0, tx)
             T.ptx_wait_group(0)  # q and dO (and the first block) in shared memory
             T.sync_threads()
-            heads_prep(O, Q_shared, dO_shared, Delta, delta_s, c_s, g_s, ob, st, b_i, s_i, h0, heads,
-                       T.abs(sm_scale), tx)
+            heads_prep(Q_shared, dO_shared, delta_s, c_s, g_s, ob, st, h0, heads, T.abs(sm_scale), tx)
             T.sync_threads()
+            if T.And(tx < HG, h0 + tx < heads):
+                Delta[b_i, s_i, h0 + tx] = delta_s[tx]
             if tx < 128:
                 heads_init(lse0, c0, g0, d0, Lse2, c_s, g_s, delta_s, b_i, s_i, h0, 0, heads)
             else:
