@@ -24,7 +24,7 @@ holds an int32 staging buffer. A variant ``BI/mode``:
   are issued) and their scales after its products, so neither load waits in front of the block's copies.
 - ``sender4``: ``sender2`` with the query's q and dO copied by cp.async, all in flight at once (``query_tiles``'
   "async"), where the plain loads keep two to four in flight: about ten round trips to memory a query, a per-query
-  cost that L512 feels four times more than the anchor.
+  cost that L512 feels four times more than the anchor; WG0's first rows and their scales are read meanwhile.
 
 Send paths measured and dropped (BENCHMARKS.md, 2026-12-01 17:59-18:31 UTC, at commit 2f9abda): an unrolled ``line``
 without the memory clobber, a sender that forms row pointers every chunk, staging in an opaque helper, a 288 / 288 dq
@@ -276,9 +276,15 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
             c2 = sm_scale * log2e
             n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
             n_blk = T.ceildiv(n_valid, BI)
+            if copies == "async":  # WG0's first rows and scales while the query's copies are in flight
+                if tx < 128:
+                    next_rows(idx_n, Indices, b_i, s_i, 0, n_valid, tx)
             load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
             zero_rows(KV_shared, BI, tx)
             if copies == "async":
+                if tx < 128:
+                    for r in T.unroll(PASSES):
+                        sc_n[r] = RowScale[b_i, T.min(T.max(idx_n[r], 0), seq_kv - 1)]
                 T.ptx_wait_group(0)
             T.fence_proxy_async()
             T.sync_threads()
@@ -291,7 +297,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                     delta_f[h] = T.if_then_else(h0 + h < heads, Delta[b_i, s_i, h0 + h], 0.0)
                 T.clear(acc_dq0)
                 p = tx
-                if prefetch:
+                if T.And(prefetch, copies == "sync"):
                     next_rows(idx_n, Indices, b_i, s_i, 0, n_valid, p)
                     for r in T.unroll(PASSES):
                         sc_n[r] = RowScale[b_i, T.min(T.max(idx_n[r], 0), seq_kv - 1)]

@@ -298,3 +298,4 @@ def test_design_a_kernels_compile():
         first_wait = body.index("tl::cp_async_wait<0>()")
         assert body.index("Q_shared)[") < body.index("tl::cp_async_commit()") < first_wait
         assert "*(uint4*)(Q + " not in body and "*(uint4*)(dO + " not in body  # no load through registers
+        assert body.index("Indices[") < body.index("tl::cp_async_commit()")  # WG0's first rows meanwhile
