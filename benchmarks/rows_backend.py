@@ -23,9 +23,9 @@ CPU models show design (a) needs on hot rows of peaky logits; the suite's ci pro
 (integer adds need no fixed point, so nothing global has to be known first); ``scaleso`` sums the counts into row
 scales. Its bound is at most twice ``exact``'s (one bit of each row's int32; ``RowsModelOctaveBackend`` models it on CPU).
 
-Every sum is integer or in a fixed order, so the result is bitwise stable. It declares Dqk 576 / Dv 512, where it
-has run through the suite; its kernels build for 512 / 512 too (``_kernels``), not yet through the suite there
-(BENCHMARKS.md). The forward is the ``tilelang`` backend's.
+Every sum is integer or in a fixed order, so the result is bitwise stable. ``RowsBackend`` and
+``RowsExactBackend`` declare Dqk 576 / Dv 512, where they have run through the suite; ``RowsOctaveBackend`` declares
+both production dims (its kernels build for 512 / 512; not yet run there). The forward is the ``tilelang`` backend's.
 """
 
 from __future__ import annotations
@@ -177,6 +177,7 @@ class RowsOctaveBackend(RowsBackend):
     name = "tilelang-rows-octave"
     bound = "octave"
     main = "48/sender4"
+    dims = contract.PRODUCTION_DIMS  # 512 / 512 not yet through the suite on a GPU
 
 
 class RowsModelBackend(BackendBase):
