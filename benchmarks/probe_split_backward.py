@@ -1173,6 +1173,8 @@ def main(argv=None):
     p.add_argument("--b-only", action="store_true", help="kernel B alone on random P and dS, against torch in float64")
     p.add_argument("--bound", action="store_true", help="the bound kernels (--kernels) and design (a)'s prep alone, "
                    "and their per-row bounds against today's exact dkv")
+    p.add_argument("--sweep", default="", help="--bound: each kernel also timed at these valid slots a query "
+                   "(probe_wide_backward.py's --sweep)")
     p.add_argument("--kernels", default="lean4", help=f"--bound's kernels: lean4, exact, octave and kernel A's bound modes "
                    f"({', '.join(A_MODES[1:])})")
     p.add_argument("--pipeline", action="store_true", help="design (a) end to end (prep, bound pass, main kernel, "
@@ -1311,6 +1313,8 @@ def bound_only(kbs, t, name, a):
                 k(t.q, t.kv, t.go, t.idx, t.tl, lse2, delta, qmax, omax, t.rows, ex_a, dq, unused, unused,
                   row_u, onorm, vnorm, t.sm)
         ms = WIDE.time_ms(call, a.iters)
+        if a.sweep:
+            WIDE.sweep(mode, call, t, [int(n) for n in a.sweep.split(",")], 64, a.iters)
         row_u.zero_()
         row_w.zero_()
         if mode == "octave":

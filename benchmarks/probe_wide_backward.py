@@ -563,6 +563,9 @@ def main(argv=None):
     p.add_argument("shapes", nargs="*", default=["anchor", "l512", "h128"], help="sparse-mqa-bench presets")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--sweep", default="", help="valid slots a query (topk_length), e.g. 48,96,192,384,768,1536: each "
+                   "variant timed at each on the shape's inputs, and a least-squares line ms = fixed + per block x "
+                   "blocks, whose fixed part is the per-query cost (prologue, pipeline fill and drain)")
     a = p.parse_args(argv)
     ks = {v: compiled(v) for v in a.variants.split(",")}
     if not torch.cuda.is_available():
@@ -588,6 +591,24 @@ def main(argv=None):
                 call()
                 extra = f"; dkv against today's exact sum: {dkv_error(acc32.double() / divisor[..., None], t.exact)}"
             print(f"  probe {v}: {ms:.3f} ms; dq bitwise equal {torch.equal(dq, dq_ref)}{extra}", flush=True)
+            if a.sweep:
+                sweep(v, call, t, [int(n) for n in a.sweep.split(",")], int(v.split("/")[0]), a.iters)
+
+
+def sweep(name, call, t, lengths, bi, iters):
+    """``call`` timed with each query's valid slots cut to each of ``lengths`` (``t.tl``, restored after), and
+    the line through (blocks a query, ms) by least squares."""
+    full = t.tl.clone()
+    xs, ys = [], []
+    for n in lengths:
+        t.tl.fill_(n)
+        xs.append(-(-n // bi))
+        ys.append(time_ms(call, iters))
+    t.tl.copy_(full)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    print(f"  {name} by valid slots {dict(zip(lengths, (round(y, 3) for y in ys)))}: "
+          f"{my - slope * mx:.3f} ms fixed + {slope:.4f} ms a block of {bi} slots", flush=True)
 
 
 if __name__ == "__main__":
