@@ -509,10 +509,11 @@ def build_bound(BI=64, dqk=576):
     return lean_bound4
 
 
-def exact_macros(T, BI: int, HW: int, ROWS: int, dv: int):
+def exact_macros(T, BI: int, HW: int, ROWS: int, dv: int, issue, add):
     """The dP-exact bound passes' pieces (``exact``, ``octave``), as T.macro: ``publish`` puts a block's gathered rows
     where the thread adding its bounds reads them; ``products`` runs a warpgroup's S^T and dP^T on the block;
-    ``bounds`` turns them into each slot's bound over the warpgroup's heads, in shared memory."""
+    ``bounds`` turns them into each slot's bound over the warpgroup's heads, in shared memory; ``block_loop`` runs
+    the blocks, ``add`` (a T.macro: dest, batch, row, bound, ex) putting each slot's bound into its KV row."""
     PASSES = BI // ROWS
 
     @T.macro
@@ -535,7 +536,33 @@ def exact_macros(T, BI: int, HW: int, ROWS: int, dv: int):
         T.reduce_sum(acc, bsum, dim=1)
         T.copy(bsum, bs_s[w, :])
 
-    return publish, products, bounds
+    @T.macro
+    def block_loop(Q_shared, dO_shared, KVt, KV, Indices, idx2, bs_s, nxt, jr, wg0, wg1, dest, ex, b_i, s_i, n_blk,
+                   n_valid, seq_kv, c2, tx):
+        # each block: both warpgroups' products, the next block's copies under the bound arithmetic, each slot's
+        # bound handed to ``add``. wg0, wg1: a warpgroup's (acc, accp, bsum, lse, C, G, Delta) fragments
+        for kb in T.serial(n_blk):
+            if kb > 0:
+                T.ptx_wait_group(0)
+                T.fence_proxy_async()
+                T.sync_threads()
+            if tx < 128:
+                products(Q_shared, dO_shared, KVt, wg0[0], wg0[1], 0)
+            else:
+                products(Q_shared, dO_shared, KVt, wg1[0], wg1[1], 1)
+            T.sync_threads()  # both halves have read the tile: the next block's copies run under the arithmetic
+            issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb + 1, n_valid, seq_kv, tx)
+            if tx < 128:
+                bounds(wg0[0], wg0[1], wg0[2], bs_s, wg0[3], wg0[4], wg0[5], wg0[6], c2, 0)
+            else:
+                bounds(wg1[0], wg1[1], wg1[2], bs_s, wg1[3], wg1[4], wg1[5], wg1[6], c2, 1)
+            T.sync_threads()
+            if tx < BI:
+                if idx2[kb % 2, tx] >= 0:
+                    add(dest, b_i, idx2[kb % 2, tx], (bs_s[0, tx] + bs_s[1, tx]) * (1.0 + 2.0 ** -7), ex)
+            publish(idx2, jr, 1 - kb % 2, tx)
+
+    return publish, products, bounds, block_loop
 
 
 def build_bound_exact(BI=64, dqk=576, dv=512):
@@ -557,7 +584,11 @@ def build_bound_exact(BI=64, dqk=576, dv=512):
 
     prefetch_rows, issue = gather_macros(T, BI, ROWS, dqk, ahead=1)
 
-    publish, products, bounds = exact_macros(T, BI, HW, ROWS, dv)
+    @T.macro
+    def add(RowB, b_i, row, bound, ex):  # one int64 at the call's fixed point
+        T.call_extern("handle", "smqa_red_u64", T.address_of(RowB[b_i, row]), T.cast(T.ceil(bound * ex), i64))
+
+    publish, products, bounds, block_loop = exact_macros(T, BI, HW, ROWS, dv, issue, add)
 
     @T.macro
     def heads_init(lse_f, c_f, g_f, d_f, Lse2, C, Gm, Delta, b_i, s_i, h0, heads):
@@ -617,27 +648,9 @@ def build_bound_exact(BI=64, dqk=576, dv=512):
             T.ptx_wait_group(0)
             T.fence_proxy_async()
             T.sync_threads()
-            for kb in T.serial(n_blk):
-                if kb > 0:
-                    T.ptx_wait_group(0)
-                    T.fence_proxy_async()
-                    T.sync_threads()
-                if tx < 128:
-                    products(Q_shared, dO_shared, KVt, acc0, accp0, 0)
-                else:
-                    products(Q_shared, dO_shared, KVt, acc1, accp1, 1)
-                T.sync_threads()  # both halves have read the tile: the next block's copies run under the arithmetic
-                issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb + 1, n_valid, seq_kv, tx)
-                if tx < 128:
-                    bounds(acc0, accp0, bsum0, bs_s, lse0, c0, g0, d0, c2, 0)
-                else:
-                    bounds(acc1, accp1, bsum1, bs_s, lse1, c1, g1, d1, c2, 1)
-                T.sync_threads()
-                if tx < BI:
-                    if idx2[kb % 2, tx] >= 0:
-                        T.call_extern("handle", "smqa_red_u64", T.address_of(RowB[b_i, idx2[kb % 2, tx]]),
-                                      T.cast(T.ceil((bs_s[0, tx] + bs_s[1, tx]) * (1.0 + 2.0 ** -7) * ex), i64))
-                publish(idx2, jr, 1 - kb % 2, tx)
+            block_loop(Q_shared, dO_shared, KVt, KV, Indices, idx2, bs_s, nxt, jr,
+                       (acc0, accp0, bsum0, lse0, c0, g0, d0), (acc1, accp1, bsum1, lse1, c1, g1, d1), RowB, ex,
+                       b_i, s_i, n_blk, n_valid, seq_kv, c2, tx)
 
     return bound_exact
 
@@ -673,7 +686,12 @@ def build_bound_octave(BI=64, dqk=576, dv=512):
     log2e = contract.LOG2E
     load_query, _ = WIDE.query_tiles(T, dqk, dv, HG, copies="async")
     prefetch_rows, issue = gather_macros(T, BI, ROWS, dqk, ahead=1)
-    publish, products, bounds = exact_macros(T, BI, HW, ROWS, dv)
+
+    @T.macro
+    def add(Hist, b_i, row, bound, ex):  # counted in the row's octave
+        T.call_extern("handle", "smqa_octave_add", T.address_of(Hist[b_i, row, 0]), bound)
+
+    publish, products, bounds, block_loop = exact_macros(T, BI, HW, ROWS, dv, issue, add)
     OC = dv // 8 // 32  # 16-byte chunks of out a lane, per head
 
     @T.macro
@@ -777,27 +795,9 @@ def build_bound_octave(BI=64, dqk=576, dv=512):
             T.ptx_wait_group(0)
             T.fence_proxy_async()
             T.sync_threads()
-            for kb in T.serial(n_blk):
-                if kb > 0:
-                    T.ptx_wait_group(0)
-                    T.fence_proxy_async()
-                    T.sync_threads()
-                if tx < 128:
-                    products(Q_shared, dO_shared, KVt, acc0, accp0, 0)
-                else:
-                    products(Q_shared, dO_shared, KVt, acc1, accp1, 1)
-                T.sync_threads()
-                issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb + 1, n_valid, seq_kv, tx)
-                if tx < 128:
-                    bounds(acc0, accp0, bsum0, bs_s, lse0, c0, g0, d0, c2, 0)
-                else:
-                    bounds(acc1, accp1, bsum1, bs_s, lse1, c1, g1, d1, c2, 1)
-                T.sync_threads()
-                if tx < BI:
-                    if idx2[kb % 2, tx] >= 0:
-                        T.call_extern("handle", "smqa_octave_add", T.address_of(Hist[b_i, idx2[kb % 2, tx], 0]),
-                                      (bs_s[0, tx] + bs_s[1, tx]) * (1.0 + 2.0 ** -7))
-                publish(idx2, jr, 1 - kb % 2, tx)
+            block_loop(Q_shared, dO_shared, KVt, KV, Indices, idx2, bs_s, nxt, jr,
+                       (acc0, accp0, bsum0, lse0, c0, g0, d0), (acc1, accp1, bsum1, lse1, c1, g1, d1), Hist, 1.0,
+                       b_i, s_i, n_blk, n_valid, seq_kv, c2, tx)
 
     return bound_octave
 
@@ -1175,8 +1175,8 @@ def main(argv=None):
                    "and their per-row bounds against today's exact dkv")
     p.add_argument("--sweep", default="", help="--bound: each kernel also timed at these valid slots a query "
                    "(probe_wide_backward.py's --sweep)")
-    p.add_argument("--kernels", default="lean4", help=f"--bound's kernels: lean4, exact, octave and kernel A's bound modes "
-                   f"({', '.join(A_MODES[1:])})")
+    p.add_argument("--kernels", default="lean4", help=f"--bound's kernels: lean4, exact, octave and kernel A's bound "
+                   f"modes ({', '.join(A_MODES[1:])})")
     p.add_argument("--pipeline", action="store_true", help="design (a) end to end (prep, bound pass, main kernel, "
                    "conversion) beside today's call")
     p.add_argument("--pipe-tail", default="kernels", choices=("torch", "kernels"), help="--pipeline's row scales and "

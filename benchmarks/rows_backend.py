@@ -21,7 +21,8 @@ CPU models show design (a) needs on hot rows of peaky logits; the suite's ci pro
 576/512 on the H200. ``RowsOctaveBackend`` drops the prep pass, ``vnorms`` and ``qvmax``: its bound pass
 (``octave``) forms Delta and the per-head factors itself and counts each slot's bound in its KV row's octave
 (integer adds need no fixed point, so nothing global has to be known first); ``scaleso`` sums the counts into row
-scales. Its bound is at most twice ``exact``'s (one bit of each row's int32; ``RowsModelOctaveBackend`` models it on CPU).
+scales. Its bound is at most twice ``exact``'s (one bit of each row's int32; ``RowsModelOctaveBackend`` models it
+on CPU).
 
 Every sum is integer or in a fixed order, so the result is bitwise stable. ``RowsBackend`` and
 ``RowsExactBackend`` declare Dqk 576 / Dv 512, where they have run through the suite; ``RowsOctaveBackend`` declares

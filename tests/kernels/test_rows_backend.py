@@ -1,7 +1,8 @@
 """Design (a) of issue 26 (``benchmarks/rows_backend.py``) on CPU: its NumPy models (the bound as ``lean4`` forms it,
-with dP exact, and with dP exact counted in octaves) hold the suite's tolerance on the adversarial magnitudes the fixed-point study uses, with every
-term and row sum inside int32 (the models raise otherwise), bitwise stable; on a hot row of peaky terms only the
-dP-exact bounds keep enough bits; the GPU backend refuses CPU tensors before any GPU work."""
+with dP exact, and with dP exact counted in octaves) hold the suite's tolerance on the adversarial magnitudes the
+fixed-point study uses, with every term and row sum inside int32 (the models raise otherwise), bitwise stable; on a
+hot row of peaky terms only the dP-exact bounds keep enough bits; the GPU backend refuses CPU tensors before any GPU
+work."""
 
 import pytest
 
