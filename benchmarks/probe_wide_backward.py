@@ -297,7 +297,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                     delta_f[h] = T.if_then_else(h0 + h < heads, Delta[b_i, s_i, h0 + h], 0.0)
                 T.clear(acc_dq0)
                 p = tx
-                if T.And(prefetch, copies == "sync"):
+                if prefetch and copies == "sync":
                     next_rows(idx_n, Indices, b_i, s_i, 0, n_valid, p)
                     for r in T.unroll(PASSES):
                         sc_n[r] = RowScale[b_i, T.min(T.max(idx_n[r], 0), seq_kv - 1)]
