@@ -100,25 +100,31 @@ class Reports:
             state.collected = list(ids)
 
     def pytest_unconfigure(self, config):
+        watch = self.signals.pop("watch", None)
         for sig, handler in self.signals.items():
             signal.signal(sig, handler)
+        if watch is not None:
+            watch()
 
 
 WRITE_EVERY = 1.0  # seconds between rewrites of the JSON while the run goes on
 REPEAT_S = 5.0  # a second signal this soon after the first is the same stop
+STUCK_S = 30.0  # how long a stop signal may wait for the main thread to come back to Python
 
 
 def stop_on_signals() -> dict:
     """SIGTERM (and SIGINT) raise KeyboardInterrupt, which pytest answers by reporting what finished; a repeat
     within ``REPEAT_S`` is the same stop (``timeout`` signals the whole process group and sparse-mqa-check
-    forwards what it receives) and is ignored. Returns the handlers it replaced (restored at unconfigure); only
-    the main thread can install them, and a handler the user installed is left alone."""
+    forwards what it receives) and is ignored. Returns the handlers it replaced (restored at unconfigure; under
+    "watch", what disarms ``watch_stuck``); only the main thread can install them, and a handler the user
+    installed is left alone."""
     if threading.current_thread() is not threading.main_thread():
         return {}
+    ran = [float("-inf")]  # when the handler last ran
     first: list[float] = []
 
     def handler(signum, frame):
-        now = time.monotonic()
+        now = ran[0] = time.monotonic()
         if first and now - first[0] < REPEAT_S:
             return
         first[:] = [now]
@@ -128,7 +134,61 @@ def stop_on_signals() -> dict:
     for sig in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
             replaced[sig] = signal.signal(sig, handler)
+    if replaced:
+        disarm = watch_stuck(ran, STUCK_S)
+        if disarm is not None:
+            replaced["watch"] = disarm
     return replaced
+
+
+def watch_stuck(ran: list, stuck_s: float):
+    """A Python signal handler runs only when the main thread comes back to the interpreter, and a thread waiting
+    on a kernel that never finishes (``torch.cuda.synchronize`` behind a hung kernel) never does: the stop would
+    be lost and ``timeout`` would wait forever. So a helper thread hears each signal through
+    ``signal.set_wakeup_fd``; if the handler has not run ``stuck_s`` seconds after the signal (``ran[0]``, its
+    last run, is older than it), it prints every thread's stack (where the run is stuck) and ends the process with
+    128 + the signal's number, as the signal itself would have. Returns what disarms it, or None where another
+    wakeup fd is in use (left alone)."""
+    import faulthandler
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    theirs = signal.set_wakeup_fd(w)
+    if theirs != -1:  # an event loop's: put back, and do not watch
+        signal.set_wakeup_fd(theirs)
+        os.close(r)
+        os.close(w)
+        return None
+
+    def watch():
+        while True:
+            since = time.monotonic()
+            got = os.read(r, 64)
+            if not got:  # disarmed: the write end is closed
+                os.close(r)
+                return
+            stops = [b for b in got if b in (signal.SIGINT, signal.SIGTERM)]
+            if not stops:
+                continue
+            deadline = time.monotonic() + stuck_s  # the signal came after ``since``, just before this
+            while ran[0] < since and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if ran[0] < since:
+                name = signal.Signals(stops[0]).name
+                print(f"\nsparse-mqa-testkit: {name} came {stuck_s:.0f} s ago and the main thread has not returned "
+                      f"to Python since (a kernel that never finishes?); every thread's stack follows, then the "
+                      f"process ends", file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                sys.stderr.flush()
+                os._exit(128 + stops[0])
+
+    threading.Thread(target=watch, name="smqa-stuck-watch", daemon=True).start()
+
+    def disarm():
+        signal.set_wakeup_fd(-1)
+        os.close(w)
+
+    return disarm
 
 
 def summary(terminalreporter) -> None:
