@@ -254,6 +254,7 @@ def test_design_a_kernels_compile():
         bodies[which] = src[src.index('extern "C" __global__'):]
         assert "atomicAdd" not in bodies[which] and "AtomicAdd" not in bodies[which], which
     assert "warp_reduce_sum" in bodies["prepw"] and "warp_reduce_max" in bodies["prepw"]
+    assert "smqa_store_bf16_f64((&(dKV[" in bodies["convert"]  # float64 rounded once to bf16 (cvt.rn.bf16.f64)
     body = bodies["lean4"]
     assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+)\(\(", body)) == {"smqa_red_u64"}
     assert set(re.findall(r"smqa_red_u64\(\(&\((Row[UW])\[", body)) == {"RowU", "RowW"}
