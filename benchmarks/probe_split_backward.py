@@ -1098,15 +1098,6 @@ def prep_w(kp, t, exact=None):
     return delta, C, Gm, lse2, exact_fixed_point(sums, vmax)
 
 
-def bf16_rne(x):
-    """float64 (normal range) to bfloat16 rounded once, to nearest even; torch's own ``.to(bfloat16)`` goes through
-    float32 and may round twice."""
-    bits = x.view(torch.int64)
-    drop = 52 - 7  # float64 fraction bits past bf16's
-    bits = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & ~((1 << drop) - 1)
-    return bits.view(torch.float64).to(torch.bfloat16)  # exact now: 8 significant bits
-
-
 def octave_bounds(hist):
     """float64 [B, Skv]: each row's bound from ``octave``'s counts, as ``scaleso`` forms it (inf where a term was)."""
     w = torch.exp2(torch.arange(OCTAVES - 1, device=hist.device, dtype=torch.float64) - 126)
@@ -1436,9 +1427,12 @@ def pipeline(kp, kl, ks, tail, exact, t, name, a):
           flush=True)
     dq_ref, dkv_today, _ = backward.sparse_mqa_backward(t.q, t.kv, t.out, t.go, t.lse, t.sink, t.idx, t.sm)
     if tail:
-        torch_dkv = bf16_rne(acc.double() * inv.double()[..., None])
-        print(f"  convert against float64 rounded once to bf16: {int((dkv != torch_dkv).sum())} of {dkv.numel()} "
-              f"elements differ", flush=True)
+        from sparse_mqa_testkit.oracle import round_bf16  # one rounding (torch's float64-to-bf16 may round twice)
+
+        once = round_bf16((acc.double() * inv.double()[..., None]).cpu().numpy()).astype("float32")
+        once = torch.from_numpy(once).to(dkv.device).to(torch.bfloat16)  # exact: the values are bf16's
+        print(f"  convert against float64 rounded once to bf16 (the oracle's round_bf16): {int((dkv != once).sum())} "
+              f"of {dkv.numel()} elements differ", flush=True)
     dq_diff = ((dq.float() - dq_ref.float()).norm() / dq_ref.float().norm()).item()
     print(f"  dq bitwise equal to today's {torch.equal(dq, dq_ref)} (rel. L2 {dq_diff:.1e}); dkv against the exact "
           "sum: "

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import pathlib
+from types import SimpleNamespace
 
 import torch
 
@@ -54,7 +55,6 @@ def _probe(name: str):
 
 class RowsBackend(BackendBase):
     name = "tilelang-rows"
-    bound = "lean4"  # |dP| <= |dO_h| |V_j|; RowsExactBackend takes dP itself
     main = "48/sender2"  # probe_wide_backward.py's variant
     device = "cuda"
     deterministic = True
@@ -72,24 +72,20 @@ class RowsBackend(BackendBase):
         except ImportError as exc:
             raise MissingDependency(f"tilelang-rows needs TileLang 0.1.15 ({exc})") from exc
 
-    def _names(self):
-        if self.bound == "octave":  # no prep pass: the bound pass forms Delta and counts octaves
-            return (("bound", "octave"), ("scales", "scaleso"), ("convert", "convert"))
-        extra = (("vnorms", "vnorms"), ("qvmax", "qvmax"), ("scales", "scales1")) if self.bound == "exact" else \
-            (("scales", "scales"),)
-        return (("prep", "prepw"), ("bound", self.bound), ("convert", "convert"), *extra)
+    # (role, probe kernel) of everything but the main kernel; the bound, |dP| <= |dO_h| |V_j|, is lean4's
+    kernels = (("prep", "prepw"), ("bound", "lean4"), ("convert", "convert"), ("scales", "scales"))
 
     def _kernels(self, dims):
         if dims not in self._k:
             split = _probe("probe_split_backward")
-            k = {name: split.compiled(which, dims=dims) for name, which in self._names()}
+            k = {name: split.compiled(which, dims=dims) for name, which in self.kernels}
             self._k[dims] = dict(k, main=split.WIDE.compiled(self.main, dims), split=split)
         return self._k[dims]
 
     def warmup(self, cases=None) -> list[str]:
         for dims in self.dims:
             self._kernels(dims)
-        return [f"{which} {dqk}/{dv}" for dqk, dv in self.dims for _, which in (*self._names(), ("", self.main))]
+        return [f"{which} {dqk}/{dv}" for dqk, dv in self.dims for _, which in (*self.kernels, ("", self.main))]
 
     def forward(self, q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_length=None):
         from sparse_mqa_kernels.forward import sparse_mqa_forward
@@ -97,17 +93,37 @@ class RowsBackend(BackendBase):
         return sparse_mqa_forward(q, kv, indices, sm_scale, d_v, attn_sink=attn_sink, topk_length=topk_length)
 
     def workspace_bytes(self, case, direction: str = "backward") -> int:
-        """An upper bound on what a backward call holds beside its outputs: the int32 dkv sums (4 a dkv element)
-        (``octave``: and its octave counts, 4 bytes each a KV row);
+        """An upper bound on what a backward call holds beside its outputs: the int32 dkv sums (4 a dkv element);
         per KV row U, W, |V_j|, scale and inverse (28); per (query, head) Delta, A_h, B_h, C_h, G_h, the kernel LSE
         and its torch temporaries, the sink probability and d_sink's product (72 in all); per query the head
         blocks' sums, VMax, the row ids and topk_length's stand-in; 64 KiB of scalars."""
         if direction == "forward":
             return 0
         B, S, Skv, H, Dqk = case.B, case.S, case.Skv, case.H, case.Dqk
-        octaves = 4 * _probe("probe_split_backward").OCTAVES * B * Skv if self.bound == "octave" else 0
         return (4 * B * Skv * Dqk + 28 * B * Skv + 4 * B * Dqk + 72 * B * S * H
-                + 8 * B * S * -(-H // 8) + 12 * B * S + 4 * S + (64 << 10) + octaves)
+                + 8 * B * S * -(-H // 8) + 12 * B * S + 4 * S + (64 << 10) + self._bound_bytes(case))
+
+    def _bound_bytes(self, case) -> int:
+        """What the bound pass holds beyond ``workspace_bytes``' terms (its int64 sums are among them)."""
+        return 0
+
+    def _prep(self, k, d, x, delta):
+        """``prepw``: Delta into ``delta``; returns the bound's per-head factors A, B, C, G and the head blocks'
+        sums."""
+        A, Bc, C, Gm = (torch.empty(d.B, d.S, d.H, dtype=torch.float32, device=x.dev) for _ in range(4))
+        sums = torch.empty(2, d.B, d.S, -(-d.H // 8), dtype=torch.float32, device=x.dev)
+        k["prep"](x.q, x.out, x.grad_out, delta, A, Bc, C, Gm, sums, x.sm)
+        return A, Bc, C, Gm, sums
+
+    def _row_scales(self, k, d, x, delta, scale, inv):
+        """Delta into ``delta``, each KV row's scale and inverse into ``scale``, ``inv``: prep, then ``lean4``'s two
+        sums at their fixed points, then ``scales``."""
+        A, Bc, _, _, sums = self._prep(k, d, x, delta)
+        row_u = torch.zeros(d.B, d.Skv, dtype=torch.int64, device=x.dev)
+        ex = k["split"].uw_fixed_points(sums)
+        row_w = torch.zeros_like(row_u)
+        k["bound"](x.q, x.kv, x.indices, x.tl, x.lse2, A, Bc, x.rows, ex, row_u, row_w, x.sm)
+        k["scales"](x.kv, row_u, row_w, ex, scale, inv)
 
     def backward(self, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None):
         d = check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length,
@@ -124,31 +140,9 @@ class RowsBackend(BackendBase):
             scale = torch.empty(d.B, d.Skv, dtype=torch.float32, device=dev)
             inv = torch.empty_like(scale)
             delta = torch.empty(d.B, d.S, d.H, dtype=torch.float32, device=dev)
-            if self.bound == "octave":
-                hist = torch.zeros(d.B, d.Skv, k["split"].OCTAVES, dtype=torch.int32, device=dev)
-                k["bound"](q, out, grad_out, kv, indices, tl, lse2, rows, delta, hist, sm)
-                k["scales"](hist, scale, inv)
-                del hist
-            else:
-                A, Bc, C, Gm = (torch.empty(d.B, d.S, d.H, dtype=torch.float32, device=dev) for _ in range(4))
-                sums = torch.empty(2, d.B, d.S, -(-d.H // 8), dtype=torch.float32, device=dev)
-                k["prep"](q, out, grad_out, delta, A, Bc, C, Gm, sums, sm)
-                row_u = torch.zeros(d.B, d.Skv, dtype=torch.int64, device=dev)
-            if self.bound == "exact":
-                vnorm = torch.empty(d.B, d.Skv, dtype=torch.float32, device=dev)
-                vmax = torch.empty(d.B, d.S, dtype=torch.float32, device=dev)
-                k["vnorms"](kv, vnorm)
-                k["qvmax"](indices, tl, vnorm, vmax)
-                ex = k["split"].exact_fixed_point(sums, vmax)
-                k["bound"](q, grad_out, kv, indices, tl, lse2, delta, C, Gm, rows, ex, row_u, sm)
-                k["scales"](row_u, ex, scale, inv)
-                del row_u
-            elif self.bound == "lean4":
-                ex = k["split"].uw_fixed_points(sums)
-                row_w = torch.zeros_like(row_u)
-                k["bound"](q, kv, indices, tl, lse2, A, Bc, rows, ex, row_u, row_w, sm)
-                k["scales"](kv, row_u, row_w, ex, scale, inv)
-                del row_u
+            x = SimpleNamespace(q=q, kv=kv, out=out, grad_out=grad_out, indices=indices, tl=tl, lse2=lse2, rows=rows,
+                                sm=sm, dev=dev)
+            self._row_scales(k, d, x, delta, scale, inv)
             acc = torch.zeros(d.B, d.Skv, d.Dqk, dtype=torch.int32, device=dev)
             dq = torch.empty(d.B, d.S, d.H, d.Dqk, dtype=torch.bfloat16, device=dev)
             keep = torch.zeros(d.B, d.Dqk, dtype=torch.float32, device=dev)
@@ -166,7 +160,21 @@ class RowsExactBackend(RowsBackend):
     point from each query's largest named |V_j|): the bound design (a) needs."""
 
     name = "tilelang-rows-exact"
-    bound = "exact"
+    kernels = (("prep", "prepw"), ("bound", "exact"), ("convert", "convert"), ("vnorms", "vnorms"),
+               ("qvmax", "qvmax"), ("scales", "scales1"))
+
+    def _row_scales(self, k, d, x, delta, scale, inv):
+        """prep, each query's largest named |V_j| (``vnorms``, ``qvmax``) for the fixed point, ``exact``'s one sum
+        a row, then ``scales1``."""
+        _, _, C, Gm, sums = self._prep(k, d, x, delta)
+        row_b = torch.zeros(d.B, d.Skv, dtype=torch.int64, device=x.dev)
+        vnorm = torch.empty(d.B, d.Skv, dtype=torch.float32, device=x.dev)
+        vmax = torch.empty(d.B, d.S, dtype=torch.float32, device=x.dev)
+        k["vnorms"](x.kv, vnorm)
+        k["qvmax"](x.indices, x.tl, vnorm, vmax)
+        ex = k["split"].exact_fixed_point(sums, vmax)
+        k["bound"](x.q, x.grad_out, x.kv, x.indices, x.tl, x.lse2, delta, C, Gm, x.rows, ex, row_b, x.sm)
+        k["scales"](row_b, ex, scale, inv)
 
 
 class RowsOctaveBackend(RowsBackend):
@@ -176,9 +184,18 @@ class RowsOctaveBackend(RowsBackend):
     with cp.async (``48/sender4``)."""
 
     name = "tilelang-rows-octave"
-    bound = "octave"
     main = "48/sender4"
     dims = contract.PRODUCTION_DIMS  # 512 / 512 not yet through the suite on a GPU
+    kernels = (("bound", "octave"), ("scales", "scaleso"), ("convert", "convert"))
+
+    def _bound_bytes(self, case) -> int:
+        return 4 * _probe("probe_split_backward").OCTAVES * case.B * case.Skv  # the octave counts, 4 bytes each
+
+    def _row_scales(self, k, d, x, delta, scale, inv):
+        """``octave`` (Delta into ``delta`` too) and ``scaleso``: no prep pass."""
+        hist = torch.zeros(d.B, d.Skv, k["split"].OCTAVES, dtype=torch.int32, device=x.dev)
+        k["bound"](x.q, x.out, x.grad_out, x.kv, x.indices, x.tl, x.lse2, x.rows, delta, hist, x.sm)
+        k["scales"](hist, scale, inv)
 
 
 class RowsModelBackend(BackendBase):
