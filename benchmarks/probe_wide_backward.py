@@ -43,6 +43,7 @@ from types import SimpleNamespace
 import torch
 
 from sparse_mqa_kernels.backward import PRELUDE as _BACKWARD_PRELUDE
+from sparse_mqa_kernels.backward_ws import read_parity
 from sparse_mqa_kernels.bench.ptx import PRELUDE_4B
 from sparse_mqa_testkit import contract
 
@@ -178,13 +179,6 @@ def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256, copies: 
                     tile[c // (dqk // 8), (c % (dqk // 8)) * 8 + v] = T.cast(0, bf16)
 
     return load_query, zero_rows
-
-def read_parity(kb, c, nch: int):
-    """The sender's ``bar_read`` completes once a chunk, in block-major order (block kb's chunk c is chunk
-    kb * nch + c of the query): staging chunk c of block kb waits for the read of the chunk before it, the
-    barrier's completion kb * nch + c - 1, whose phase parity this is (Python ints or TIR expressions)."""
-    return (kb * nch + c + 1) & 1
-
 
 def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     import tilelang.language as T

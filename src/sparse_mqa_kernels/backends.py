@@ -44,7 +44,7 @@ class TileLangBackend(BackendBase):
     tiles = {**bwd_plan.TILES, "topk_block": TOPK_BY_HEADS}
     # B, S, Skv, H and L are runtime sizes; a compiled variant depends only on these
     compile_keys = ("Dqk", "Dv", "sink_given", "topk_given", CompileKey("head_group", "H", bwd_plan.head_group_for))
-    sanitize_kernels = "sparse_mqa_"  # sparse_mqa_fwd_kernel, sparse_mqa_bwd_kernel, sparse_mqa_bwd_prep_kernel
+    sanitize_kernels = "sparse_mqa_"  # sparse_mqa_fwd_kernel, sparse_mqa_bwd_kernel, sparse_mqa_bwd_ws_kernel, ...
 
     def require(self) -> None:
         _require_tilelang()
@@ -72,7 +72,7 @@ class TileLangBackend(BackendBase):
     def warmup(self, cases=None) -> list[str]:
         """Compile (or load from TILELANG_CACHE_DIR) the kernel variants ``cases`` need, every variant without
         cases, before any timed or parallel test: the plugin calls this once per worker."""
-        from . import backward, bwd_prep, forward
+        from . import backward, bwd_prep, bwd_rows, forward
 
         if cases is None:
             return forward.precompile() + backward.precompile()
@@ -82,7 +82,10 @@ class TileLangBackend(BackendBase):
             bkey = bwd_plan.make_plan(c.B, c.S, c.Skv, c.H, c.L, c.Dqk, c.Dv).key()
             forward.compiled(fkey)
             backward.compiled(bkey)
-            bwd_prep.compiled(c.Dqk, c.Dv)
+            if bkey.warp_specialized:
+                bwd_rows.compiled(c.Dqk, c.Dv)
+            else:
+                bwd_prep.compiled(c.Dqk, c.Dv)
             out += [fkey.describe(), bkey.describe()]
         return sorted(set(out))
 

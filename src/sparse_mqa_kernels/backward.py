@@ -9,32 +9,34 @@ Algorithm
     dS = P (dP - Delta) sm_scale, and runs dq += dS K and dkv_blk = dS^T Q + P^T [dO; 0] on tensor cores (bf16
     operands, fp32 accumulators, a fixed instruction order).
 
-Two kernel bodies, one algorithm and the same bits
-    64-head groups (H > 32, the production case) run ``backward_ws``: warp-specialised, a producer warpgroup
-    gathers KV rows while two consumer warpgroups split the products and each rounds and sends its own dkv
-    columns. 16- and 32-head groups run the single-role body below (every thread does every step in turn);
-    ``BackwardConfig(single_role=True)`` runs it for 64-head groups too, and both give the same dq, dkv and
-    d_sink bits (tests/gpu/test_backward_gpu.py).
+Two paths, one algorithm
+    64-head groups (H > 32, the production case): ``bwd_rows``' bound pass (Delta, and a bound per KV row), its
+    row scales, then ``backward_ws``' warp-specialised main kernel (dq, and each dkv term rounded to int32 at its
+    KV row's scale 2**F_j and added with integer reductions), then the conversion to bf16. Four bytes a term, and
+    each row keeps 29 bits below its own bound instead of a bound over the whole call.
+    16- and 32-head groups: the single-role body below (every thread does every step in turn), int64 terms at
+    one scale 2**F a call (``_prep``, ``bwd_prep``). ``BackwardConfig(single_role=True)`` runs it for 64-head
+    groups too: the same products, a different fixed point, so dkv agrees to rounding, not to the bit.
 
 Determinism by construction
     dq has one writer per element (its block, in a fixed loop order). dkv rows get contributions from every
     (query, slot, head group) naming them, in an order the scheduler picks; so each fp32 contribution is
-    rounded once to an integer multiple of 2**-F and summed in int64. Integer addition is associative: the
-    accumulator holds the exact sum of the rounded terms whatever the order, and one final pass turns
-    accumulator * 2**-F into bf16. Delta and each query row's term of the bound for F come from one pass over
-    q, out and dO (``bwd_prep``, fixed-order sums); the kernel LSE, the rest of the bound and
-    d_sink = -sum p_sink Delta are torch reductions on fixed shapes (no atomics); d_sink is summed per query
+    rounded once to an integer multiple of a power of two and the integers are summed. Integer addition is
+    associative: the sums are exact whatever the order, and one final pass turns them into bf16. The bounds are
+    order-free too: the 64-head path counts each slot's bound in its row's octave (integer adds) and sums the
+    counts in a fixed order; the other path's come from fixed-order sums (``bwd_prep``) and torch reductions on
+    fixed shapes. Delta is a fixed-order sum; d_sink = -sum p_sink Delta is a torch reduction, summed per query
     chunk, then over chunks in order. No floating-point atomic is issued anywhere (tests/test_backward_compile.py
     reads the generated CUDA).
 
-How the int64 sums reach memory
+How the single-role body's int64 sums reach memory
     Contributions are staged in shared memory as int64, a few KV rows per round, and each valid row goes out as
     one ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64`` (two's complement, so u64 addition is
     signed addition) issued by the TMA engine; ``PRELUDE`` supplies it in inline PTX (TileLang 0.1.15 has only
     the .f32 flavour). A staging buffer is rewritten only after the bulk group that last read it has finished
     reading (``cp.async.bulk.wait_group.read``).
 
-Fixed point and precision
+Fixed point and precision (single-role body; the 64-head path's is in ``bwd_rows``)
     F comes from a cheap bound G on any partial sum of dkv (``backward_model.dkv_bound``: per query and head
     sum_t P = m, the mass the sink leaves the slots, and sum_t |dS| <= 2 m |dO| Vmax, summed over queries;
     without m a sink-dominated call kept no bits of its gradient): F = 60 - ceil(log2 G), computed on the
@@ -54,7 +56,7 @@ import torch
 from sparse_mqa_testkit import contract
 from sparse_mqa_testkit.backends.validate import check_backward_args
 
-from . import backward_ws, bwd_plan, bwd_prep
+from . import backward_ws, bwd_plan, bwd_prep, bwd_rows
 from .target import EXECUTION_BACKEND, TARGET
 
 THREADS = {64: 256, 32: 128, 16: 128}  # single-role body, per head group
@@ -89,7 +91,7 @@ template <int N> __device__ __forceinline__ void sparse_mqa_bulk_wait_read_n() {
 def build_program(key: bwd_plan.VariantKey):
     """The TileLang prim_func of one variant; B, S, Skv, H and L are symbolic."""
     if key.warp_specialized:
-        return backward_ws.build_program(key, PRELUDE)
+        return backward_ws.build_program(key)
     return _single_role_program(key)
 
 
@@ -104,6 +106,9 @@ def _single_role_program(key: bwd_plan.VariantKey):
     tail = dqk - dv
     TA = max(tail, 16)
     threads = THREADS[HG]
+    # q, dO, the KV block, P, dS, the rope tail's q and KV, the indices, the int64 staging
+    smem = (2 * HG * D + BI * D + 2 * HG * BI + HG * TA + BI * TA) * 2 + BI * 4 + 2 * R * dqk * 8
+    assert smem <= backward_ws.SMEM_LIMIT, f"{key}: {smem} bytes of shared memory, over an sm_90 block's"
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32, i64 = T.bfloat16, T.float32, T.int32, T.int64
     log2e = contract.LOG2E
@@ -266,14 +271,16 @@ def kernel_source(key: bwd_plan.VariantKey) -> str:
 
 
 def precompile() -> list[str]:
-    """Compile every variant a plan can produce, and the prep pass, into the current TILELANG_CACHE_DIR."""
+    """Compile every variant a plan can produce, the prep pass and the row-scale kernels into the current
+    TILELANG_CACHE_DIR."""
     out = []
     for key in bwd_plan.all_variants():
         compiled(key)
         out.append(key.describe())
     for dqk, dv in contract.PRODUCTION_DIMS:
         bwd_prep.compiled(dqk, dv)
-        out.append(f"sparse_mqa_bwd_prep Dqk={dqk} Dv={dv}")
+        bwd_rows.compiled(dqk, dv)
+        out += [bwd_prep.describe(dqk, dv), bwd_rows.describe(dqk, dv)]
     return out
 
 
@@ -317,13 +324,19 @@ def sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
     """Contract backward on the GPU: ``(dq bf16, dkv bf16, d_sink fp32 or None)``, bitwise deterministic.
 
     Arguments are validated (shapes, kernel dtypes, device, supported dims) before any GPU work. ``config``
-    chooses the launch chunking and, for 64-head groups, the body; every choice gives the same bits.
+    chooses the launch chunking (the same bits whatever the chunks) and, for 64-head groups, the body.
     """
     dims = check_backward_args(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length=topk_length,
                                supported_dims=contract.PRODUCTION_DIMS, device_type="cuda")
     sm_scale = float(sm_scale)
     plan = bwd_plan.make_plan(dims.B, dims.S, dims.Skv, dims.H, dims.L, dims.Dqk, dims.Dv,
                               max_query_chunk=config.max_query_chunk)
+    if plan.row_scaled(config.single_role):
+        if plan.row_terms() > bwd_plan.MAX_ROW_TERMS:
+            raise ValueError(f"S * L * head groups = {dims.S} * {dims.L} * {plan.n_groups} = {plan.row_terms()} terms "
+                             f"may name one KV row, over the {bwd_plan.MAX_ROW_TERMS} the 64-head backward counts "
+                             "in int32; pass config=BackwardConfig(single_role=True) (int64 sums)")
+        return _row_scaled_backward(plan, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length)
     kernel = compiled(plan.key(config.single_role))
     dev = q.device
     q, kv, out, grad_out, lse, indices = (t.contiguous() for t in (q, kv, out, grad_out, lse, indices))
@@ -347,4 +360,39 @@ def sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
         d_sink = None
         if ps is not None:
             d_sink = -torch.stack(partials).sum(0)  # fixed order over chunks
+    return dq, dkv, d_sink
+
+
+def _row_scaled_backward(plan, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length):
+    """The 64-head path (module docstring): bound pass (Delta too) per query chunk, row scales, main kernel per
+    chunk, conversion. Every kernel on the current stream, no host read of the data."""
+    bound, scales, convert = bwd_rows.compiled(plan.Dqk, plan.Dv)
+    kernel = compiled(plan.key())
+    B, S, Skv, H, Dqk = plan.B, plan.S, plan.Skv, plan.H, plan.Dqk
+    dev = q.device
+    q, kv, out, grad_out, lse, indices = (t.contiguous() for t in (q, kv, out, grad_out, lse, indices))
+    with torch.cuda.device(dev):
+        tl = (torch.full((B, S), plan.L, dtype=torch.int32, device=dev) if topk_length is None
+              else topk_length.contiguous())
+        lse2 = contract.lse_to_base2(lse, attn_sink).contiguous()
+        delta = torch.empty((B, S, H), dtype=torch.float32, device=dev)
+        hist = torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device=dev)
+        chunks = [torch.arange(c.start, c.stop, dtype=torch.int32, device=dev) for c in plan.chunks()]
+        for rows in chunks:
+            bound(q, out, grad_out, kv, indices, tl, lse2, rows, delta, hist, sm_scale)
+        scale = torch.empty((B, Skv), dtype=torch.float32, device=dev)
+        inv = torch.empty_like(scale)
+        scales(hist, scale, inv)
+        del hist
+        acc = torch.zeros((B, Skv, Dqk), dtype=torch.int32, device=dev)
+        dq = torch.empty((B, S, H, Dqk), dtype=torch.bfloat16, device=dev)
+        for rows in chunks:
+            kernel(q, kv, grad_out, indices, tl, lse2, delta, rows, scale, dq, acc, sm_scale)
+        dkv = torch.empty((B, Skv, Dqk), dtype=torch.bfloat16, device=dev)
+        convert(acc, inv, dkv)
+        d_sink = None
+        if attn_sink is not None:
+            ps = contract.sink_probability(lse, attn_sink)
+            d_sink = -torch.stack([(ps[:, c.start:c.stop] * delta[:, c.start:c.stop]).sum((0, 1))
+                                   for c in plan.chunks()]).sum(0)  # fixed order over chunks
     return dq, dkv, d_sink

@@ -4,9 +4,11 @@ It runs the algorithm of ``backward`` step for step on the same ``bwd_plan``: th
 (padding heads carry q = dO = Delta = 0 and lse = +inf), the same top-k blocks (padded slots invalid, never
 read), the same query chunks, the same numerics where they matter for the result (fp32 scores and GEMMs on
 bf16 operands, P and dS rounded to bf16 before the dq / dkv GEMMs, as the kernel's shared-memory tiles are)
-and the same accumulation scheme: every dkv contribution rounded to an int64 multiple of 2**-F, F from the
-same cheap bound, summed exactly, converted once. So the host plan and the fixed-point scheme are tested end
-to end in CPU CI. GEMM summation order inside a tile differs from the tensor cores', so results agree with
+and the same accumulation scheme: 16- and 32-head groups round every dkv contribution to an int64 multiple of
+2**-F, F from the same cheap bound; 64-head groups to an int32 multiple of 2**-F_j, F_j from the bound pass's
+per-row bound counted in octaves (``row_scaled_dkv``); summed exactly, converted once. So the host plan and both
+fixed-point schemes are tested end to end in CPU CI, and a bound that let a row's int32 sum wrap (which the kernel
+would do silently) raises here. GEMM summation order inside a tile differs from the tensor cores', so results agree with
 the kernel to fp32 rounding, not to the bit.
 """
 
@@ -169,24 +171,63 @@ def blocks(q, kv, grad_out, lse, attn_sink, indices, sm_scale, topk_length, prep
             dq[:, s0:s1, hs] = dq_acc
 
 
+def slot_bounds(blk: Block, kv, d_v: int, sm_scale: float) -> np.ndarray:
+    """Per valid slot of a block, the bound pass's bound on |each element| of its dkv term: sum over the group's heads
+    of P (|sm_scale| max|q| |dP - Delta| + max|dO|), dP = dO . v_j, times 1 + BOUND_MARGIN (float32)."""
+    v = np.asarray(kv, dtype=np.float32)[blk.rows][:, :d_v]
+    with np.errstate(over="ignore", invalid="ignore"):
+        dp = np.abs(np.einsum("nhd,nd->nh", blk.grad_out, v).astype(np.float32) - blk.delta)
+        per_head = blk.p * (np.float32(abs(sm_scale)) * dp * np.abs(blk.q).max(-1) + np.abs(blk.grad_out).max(-1))
+        return per_head.sum(-1, dtype=np.float32) * np.float32(1.0 + bwd_plan.BOUND_MARGIN)
+
+
+def row_scaled_dkv(blks: list, kv, d_v: int, sm_scale: float):
+    """The 64-head path's dkv: each row's bound from its slots' bounds counted in octaves, F_j, each term rounded to an
+    int32 multiple of 2**-F_j, the integers summed, then bf16. Returns (dkv float64 before its bf16 rounding, F_j);
+    raises AssertionError where a term or a row's sum leaves int32."""
+    B, Skv, Dqk = np.shape(kv)
+    bound = np.zeros((B, Skv), dtype=np.float64)
+    for blk in blks:
+        np.add.at(bound, blk.rows, bwd_plan.octave_ceil(slot_bounds(blk, kv, d_v, sm_scale)))
+    F = bwd_plan.row_exponent(bound)
+    scale = np.where(bound > 0, np.exp2(F.astype(np.float64)), 0.0).astype(np.float32)
+    acc = np.zeros((B, Skv, Dqk), dtype=np.int64)
+    for blk in blks:
+        with np.errstate(over="ignore", invalid="ignore"):
+            ints = np.rint(np.asarray(blk.contrib, dtype=np.float32) * scale[blk.rows][:, None])
+        if not np.all(np.abs(ints) < 2.0**31):
+            raise AssertionError(f"a dkv term leaves int32 at its row's scale (largest {np.abs(ints).max():.3e})")
+        np.add.at(acc, blk.rows, ints.astype(np.int64))
+    if not np.all(np.abs(acc) < 2**31):
+        b, j = np.unravel_index(np.abs(acc).max(-1).argmax(), acc.shape[:2])
+        raise AssertionError(f"row ({b}, {j})'s dkv sum leaves int32 (bound {bound[b, j]:.3e}, F {F[b, j]})")
+    return acc.astype(np.float64) * np.exp2(-F.astype(np.float64))[..., None], F
+
+
 def model_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None,
                    max_query_chunk: int = MODEL_QUERY_CHUNK):
-    """The kernel's algorithm in NumPy. Returns (dq bf16-valued fp32, dkv bf16-valued fp32, d_sink fp32|None, F)."""
+    """The kernel's algorithm in NumPy. Returns (dq bf16-valued fp32, dkv bf16-valued fp32, d_sink fp32|None, F):
+    F the call's exponent, or [B, Skv] int64 per KV row on the 64-head path."""
     q, kv, out, go, lse, sink, idx, tl = map(to_numpy, (q, kv, out, grad_out, lse, attn_sink, indices,
                                                         topk_length))
     B, S, H, Dqk = q.shape
     prep = prepare(q, kv, out, go, lse, sink, idx, sm_scale, tl, max_query_chunk)
-    to_fixed = np.float32(2.0**prep.F)
-    acc = np.zeros((B, kv.shape[1], Dqk), dtype=np.int64)
     dq = np.zeros((B, S, prep.plan.padded_heads, Dqk), dtype=np.float32)
-    for blk in blocks(q, kv, go, lse, sink, idx, sm_scale, tl, prep, dq):
-        accumulate_fixed(acc, blk.rows, blk.contrib, to_fixed)
+    blks = blocks(q, kv, go, lse, sink, idx, sm_scale, tl, prep, dq)
+    if prep.plan.row_scaled():
+        exact, F = row_scaled_dkv(list(blks), kv, out.shape[-1], sm_scale)
+    else:
+        F, to_fixed = prep.F, np.float32(2.0**prep.F)
+        acc = np.zeros((B, kv.shape[1], Dqk), dtype=np.int64)
+        for blk in blks:
+            accumulate_fixed(acc, blk.rows, blk.contrib, to_fixed)
+        exact = from_fixed(acc, F)
     dq = round_bf16(dq[:, :, :H]).astype(np.float32)
-    dkv = round_bf16(from_fixed(acc, prep.F)).astype(np.float32)
+    dkv = round_bf16(exact).astype(np.float32)
     d_sink = None
     if sink is not None:
         ps = contract.sink_probability(_f32(lse), _f32(sink))
         partials = np.stack([(ps[:, c.start:c.stop] * prep.delta[:, c.start:c.stop]).sum((0, 1), dtype=np.float32)
                              for c in prep.plan.chunks()])
         d_sink = -partials.sum(0, dtype=np.float32)  # fixed order over chunks
-    return dq, dkv, d_sink, prep.F
+    return dq, dkv, d_sink, F

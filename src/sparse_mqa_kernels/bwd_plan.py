@@ -8,20 +8,24 @@ head groups
     groups. Heads past H in the last group are *padding*: the kernel loads q = dO = 0, Delta = 0 and
     lse = +inf for them (so P = dS = 0 exactly) and never reads or writes row h >= H of any tensor.
 top-k blocks
-    Slots are processed ``topk_block`` at a time (``TOPK_BLOCKS``, by head group); L is padded up to a multiple and
-    padded slots t >= L are invalid: their index is never read, their KV row never gathered, their contribution never
-    added.
+    Slots are processed ``topk_block`` at a time (``TOPK_BLOCKS``, by head group; the 64-head bound pass takes
+    ``BOUND_BLOCK``); L is padded up to a multiple and padded slots t >= L are invalid: their index is never read,
+    their KV row never gathered, their contribution never added.
 query chunks
     Queries are launched ``query_chunk`` at a time: at most ``MAX_QUERY_CHUNK``, fewer when ``workspace_budget``,
-    after the int64 dkv accumulator [B, Skv, Dqk] (needed once whatever the chunking, counted first), leaves
+    after the dkv sums [B, Skv, Dqk] (``accumulator_bytes``: needed once whatever the chunking, counted first), leaves
     room for fewer at ``staging_bytes_per_query`` plus one d_sink partial each. What a chunk holds of its own is
     its row ids and, with a sink, its d_sink partial ([B, chunk, H] fp32 product and its reduction); Delta, the
     kernel LSE and the sink probabilities are whole-call fp32 [B, S, H] tensors whatever the chunking (see
     ``BwdPlan.workspace_bytes`` for everything a call holds beside its outputs).
 fixed point
-    Every dkv contribution is rounded to an integer multiple of 2**-F and summed in int64, so the sum is
-    exact and independent of order. F comes from a cheap bound G on any partial sum of dkv (see
-    ``fixed_point_exponent``): the largest F with G * 2**F <= 2**(ACC_BITS - HEADROOM_BITS).
+    Every dkv contribution is rounded to an integer multiple of a power of two and the integers are summed, so the
+    sum is exact and independent of order.
+    16- and 32-head groups (and ``single_role``): one F a call, int64 sums. F comes from a cheap bound G on any
+    partial sum of dkv (see ``fixed_point_exponent``): the largest F with G * 2**F <= 2**(ACC_BITS - HEADROOM_BITS).
+    64-head groups: one F_j a KV row, int32 sums (half the bytes a term). F_j = ROW_HEADROOM - ceil(log2 B_j) for a
+    bound B_j on the row's total |contribution| that a bound pass forms from the same products as the main kernel
+    (``bwd_rows``, ``row_exponent``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from sparse_mqa_testkit import contract
 HEAD_GROUPS = (16, 32, 64)
 # top-k slots per block, by head group: the 16-head block's [16 x slots] score tile needs 32 slots to spread
 # over its 4 warps; the larger groups take 16 (fewer registers, no spills at 64 heads)
-TOPK_BLOCKS = {16: 32, 32: 16, 64: 16}
+TOPK_BLOCKS = {16: 32, 32: 16, 64: 48}
+# the single-role body at 64 heads (``single_role``): its tiles fit shared memory at 16 slots a block, not at 48
+SINGLE_ROLE_TOPK_BLOCK = 16
 TOPK_BLOCK = TOPK_BLOCKS[64]
 DEFAULT_WORKSPACE_BUDGET = 256 * 2**20  # bytes
 SCALAR_BYTES = 64 * 2**10  # workspace_bytes' allowance for 0-d tensors and reduction staging
@@ -47,6 +53,20 @@ F_MIN, F_MAX = -120, 120  # 2**F stays a normal float32 either way
 # Cheap bound on |dS| mass per (query, head): sum_t |dS_t| <= (|<dO,V_t>| + |Delta|) <= 2 |dO| Vmax;
 # the factor below covers bf16 rounding of out and of the products (<= 2**-7 relative each).
 DS_BOUND_FACTOR = 2.0 * (1.0 + 2.0**-6)
+# 64-head groups, one scale a KV row. The bound pass's own tile (its S and dP per warpgroup take 64 slots).
+BOUND_BLOCK = 64
+# A slot's bound, sum over heads of P (|sm_scale| max|q| |dP - Delta| + max|dO|), is formed from P and dP before
+# the main kernel rounds P and dS to bf16 (2**-8 relative each): the margin covers that.
+BOUND_MARGIN = 2.0**-7
+# Each term counts in its octave (a power-of-two bucket of float32's exponent range; the last bucket non-finite),
+# so B_j is at most twice the sum it bounds.
+OCTAVES = 257
+# B_j 2**F_j <= 2**29: two bits below int32's 2**31 for what B_j leaves out (the terms' own rounding, n / 2 units
+# for n terms, and float32 rounding of the bound); F_j clamped so 2**F_j and 2**-F_j stay normal float32.
+ROW_HEADROOM = 29
+ROW_F_MIN, ROW_F_MAX = -120, 120
+# a bucket counts terms in int32: at most S * L * head groups of them name one row
+MAX_ROW_TERMS = 2**31 - 1
 
 # What the conformance strategies bias sizes around (the default plan's tiles).
 TILES = {"head_group": 64, "query_chunk": MAX_QUERY_CHUNK, "topk_block": TOPK_BLOCK}
@@ -60,8 +80,9 @@ def _next_pow2(n: int) -> int:
 class VariantKey:
     """Everything a compiled backward kernel is specialised on (B, S, Skv, H and L are runtime sizes).
 
-    64-head groups run the warp-specialised body; 16- and 32-head groups, and ``single_role``, the single-role
-    body. Both compute the same products in the same order: the simpler body is the other's cross-check.
+    64-head groups run the warp-specialised body (dkv summed in int32 at a scale per KV row, ``bwd_rows``); 16- and
+    32-head groups, and ``single_role``, the single-role body (int64 at one scale a call). Both compute the same
+    products; the simpler body is the other's cross-check.
     """
 
     dqk: int
@@ -85,7 +106,7 @@ class BackwardConfig:
     """What a caller may choose beyond the contract's arguments; every choice gives the same dq and dkv bits.
 
     max_query_chunk: queries per launch (the workspace budget caps it too); single_role: run 64-head groups on
-    the single-role body as well, to compare the two bodies.
+    the single-role body as well (its int64 fixed point, one scale a call), to compare the two bodies.
     """
 
     max_query_chunk: int = MAX_QUERY_CHUNK
@@ -150,18 +171,39 @@ class BwdPlan:
 
     def key(self, single_role: bool = False) -> VariantKey:
         """The compiled kernel this plan runs (B, S, Skv, H and L are runtime values)."""
-        return VariantKey(self.Dqk, self.Dv, self.head_group, self.topk_block, single_role)
+        wide = single_role and self.head_group == 64
+        return VariantKey(self.Dqk, self.Dv, self.head_group, SINGLE_ROLE_TOPK_BLOCK if wide else self.topk_block,
+                          single_role)
 
-    def accumulator_bytes(self) -> int:
-        return 8 * self.B * self.Skv * self.Dqk
+    def row_scaled(self, single_role: bool = False) -> bool:
+        """Whether dkv is summed in int32 at a scale per KV row (``bwd_rows``): 64-head groups on the
+        warp-specialised body."""
+        return self.key(single_role).warp_specialized
+
+    def row_terms(self) -> int:
+        """The most terms that can name one KV row: every slot of every query of a batch, in every head group."""
+        return self.S * self.L * self.n_groups
+
+    def accumulator_bytes(self, single_role: bool = False) -> int:
+        """The dkv sums: int32 (4 a dkv element), or int64 (8)."""
+        return (4 if self.row_scaled(single_role) else 8) * self.B * self.Skv * self.Dqk
 
     def chunk_bytes(self) -> int:
         """What ``make_plan``'s budget counts per chunk."""
         return staging_bytes_per_query(self.B, self.H) * self.query_chunk + 4 * self.H
 
-    def workspace_bytes(self, *, sink: bool, topk_given: bool) -> int:
+    def workspace_bytes(self, *, sink: bool, topk_given: bool, single_role: bool = False) -> int:
         """Bytes a call holds at once beside its outputs (torch's requested bytes, ``sparse_mqa_backward``), an
-        upper bound: the sum of what its phases hold, each at most
+        upper bound. With a scale per KV row (``row_scaled``) the sum of
+
+        - 4 per dkv element: the int32 sums; per KV row, 4 per octave count (freed before the sums exist, counted
+          beside them) and 8 for its scale and inverse;
+        - per (query, head), fp32: Delta and the kernel LSE for the whole call, the kernel LSE's temporaries (2x),
+          and with a sink its probabilities and d_sink's product (2x): 4 rows, 6 with a sink;
+        - 4 per query: topk_length's stand-in when none is given, and 4 per query of a chunk for its row ids;
+        - 64 KiB: the 0-d scalars and the reductions' staging.
+
+        Otherwise the sum of what its phases hold, each at most
 
         - 8 per dkv element: the int64 accumulator, converted to float64 in place at the end; before it exists,
           the Vmax pass's float32 copy of V and its square (8 per V element, no more);
@@ -175,8 +217,11 @@ class BwdPlan:
         - 64 KiB: the 0-d scalars of the fixed point and the reductions' staging.
         """
         kv_rows, rows, slots = self.B * self.Skv, self.B * self.S * self.H, self.B * self.S * self.L
-        return (self.accumulator_bytes() + 13 * kv_rows + 1 + 13 * slots + 4 * rows * (6 if sink else 5)
-                + (0 if topk_given else 4 * self.B * self.S) + 4 * self.query_chunk + SCALAR_BYTES)
+        tail = (0 if topk_given else 4 * self.B * self.S) + 4 * self.query_chunk + SCALAR_BYTES
+        if self.row_scaled(single_role):
+            return (self.accumulator_bytes(single_role) + 4 * kv_rows * (OCTAVES + 2)
+                    + 4 * rows * (6 if sink else 4) + tail)
+        return self.accumulator_bytes() + 13 * kv_rows + 1 + 13 * slots + 4 * rows * (6 if sink else 5) + tail
 
 
 def staging_bytes_per_query(B: int, H: int) -> int:
@@ -195,11 +240,11 @@ def make_plan(B: int, S: int, Skv: int, H: int, L: int, Dqk: int, Dv: int, *,
         raise ValueError(f"Dv must be <= Dqk = {Dqk}, got {Dv}")
     if workspace_budget < 0:
         raise ValueError(f"workspace_budget must be >= 0, got {workspace_budget}")
-    acc = 8 * B * Skv * Dqk
+    head_group = head_group_for(H)
+    acc = (4 if head_group == 64 else 8) * B * Skv * Dqk  # BwdPlan.accumulator_bytes
     per_q = staging_bytes_per_query(B, H) + 4 * H  # staging plus, at worst, one d_sink partial per query
     room = workspace_budget - acc - 8
     chunk = max(1, min(S, max_query_chunk, room // per_q)) if room > 0 else 1
-    head_group = head_group_for(H)
     return BwdPlan(B=B, S=S, Skv=Skv, H=H, L=L, Dqk=Dqk, Dv=Dv, head_group=head_group,
                    topk_block=TOPK_BLOCKS[head_group], query_chunk=chunk)
 
@@ -238,3 +283,23 @@ def fixed_point_exponent(bound: float) -> int:
         return F_MAX
     f = (ACC_BITS - HEADROOM_BITS) - math.ceil(math.log2(bound))
     return max(F_MIN, min(F_MAX, f))
+
+
+def octave_ceil(t):
+    """Each term of a row's bound as the bound pass counts it: the smallest power of two >= t (float64; 2**-126 for
+    a subnormal float32, inf for a non-finite term, 0 for 0). NumPy, elementwise."""
+    t = np.asarray(t, dtype=np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        up = np.exp2(np.maximum(np.ceil(np.log2(t.astype(np.float64))), -126.0))
+    return np.where(np.isfinite(t), np.where(t > 0, up, 0.0), np.inf)
+
+
+def row_exponent(bound):
+    """F_j for a KV row whose terms' |sum| is at most ``bound`` (float64, NumPy): ROW_HEADROOM - ceil(log2 B_j),
+    clamped to [ROW_F_MIN, ROW_F_MAX] (an infinite bound, from non-finite inputs, takes ROW_F_MIN); a row with bound
+    0 gets scale 0 in the kernel and any F here (ROW_F_MAX)."""
+    b = np.asarray(bound, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        f = ROW_HEADROOM - np.ceil(np.log2(np.where(b > 0, b, 1.0)))
+    f = np.where(b > 0, f, ROW_F_MAX)
+    return np.clip(np.nan_to_num(f, nan=ROW_F_MIN, neginf=ROW_F_MIN), ROW_F_MIN, ROW_F_MAX).astype(np.int64)

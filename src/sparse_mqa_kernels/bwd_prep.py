@@ -94,6 +94,10 @@ def build_program(dqk: int, dv: int):
     return sparse_mqa_bwd_prep
 
 
+def describe(dqk: int, dv: int) -> str:
+    return f"sparse_mqa_bwd_prep Dqk={dqk} Dv={dv}"
+
+
 @functools.lru_cache(maxsize=None)
 def compiled(dqk: int, dv: int):
     import tilelang

@@ -17,25 +17,27 @@ from concurrent.futures import ProcessPoolExecutor
 
 from sparse_mqa_testkit import contract
 
-from . import bwd_plan, fwd_plan
+from . import bwd_plan, bwd_prep, bwd_rows, fwd_plan
 
 
 def variants() -> list[tuple[str, object]]:
     """Every variant as (kind, key), the longest compiles first so a pool ends together: the forward's, the
-    backward's, the prep pass's."""
+    backward's, the 64-head path's row-scale kernels, the prep pass's."""
     return ([("forward", k) for k in fwd_plan.all_variants()] + [("backward", k) for k in bwd_plan.all_variants()]
-            + [("prep", d) for d in contract.PRODUCTION_DIMS])
+            + [("rows", d) for d in contract.PRODUCTION_DIMS] + [("prep", d) for d in contract.PRODUCTION_DIMS])
 
 
 def describe(task) -> str:
     kind, key = task
-    return f"sparse_mqa_bwd_prep Dqk={key[0]} Dv={key[1]}" if kind == "prep" else key.describe()
+    if kind in ("prep", "rows"):
+        return (bwd_prep if kind == "prep" else bwd_rows).describe(*key)
+    return key.describe()
 
 
 def compile_variant(task) -> str:
     """Compile one variant into the current TILELANG_CACHE_DIR (or load it from there); its description and the
     seconds it took."""
-    from . import backward, bwd_prep, forward
+    from . import backward, forward
 
     kind, key = task
     t0 = time.monotonic()
@@ -43,6 +45,8 @@ def compile_variant(task) -> str:
         forward.compiled(key)
     elif kind == "backward":
         backward.compiled(key)
+    elif kind == "rows":
+        bwd_rows.compiled(*key)
     else:
         bwd_prep.compiled(*key)
     return f"{describe(task)} ({time.monotonic() - t0:.1f} s)"

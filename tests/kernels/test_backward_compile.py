@@ -1,7 +1,6 @@
 """CPU CI: the deterministic backward compiles for sm_90a (explicit target, no GPU needed), and the generated
 CUDA accumulates dkv only as int64 into the integer accumulator: no floating-point atomic or reduction."""
 
-import dataclasses
 import re
 
 import pytest
@@ -18,7 +17,7 @@ FLOAT_ATOMICS = ("atomicAdd(", "AtomicAddx2", "AtomicAddx4", "tma_store_add", "r
 
 ANCHOR = bwd_plan.make_plan(1, 4096, 8192, 64, 2048, 576, 512).key()
 SMALL_GROUP = bwd_plan.make_plan(1, 64, 128, 16, 64, 576, 512).key()
-ANCHOR_SINGLE = dataclasses.replace(ANCHOR, single_role=True)
+ANCHOR_SINGLE = bwd_plan.make_plan(1, 4096, 8192, 64, 2048, 576, 512).key(single_role=True)
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +26,48 @@ def source():
     return backward.kernel_source(ANCHOR)
 
 
+def _body(src: str) -> str:
+    return src[src.index('extern "C" __global__'):]
+
+
 def test_compiles_for_sm90a(source):
-    assert "sparse_mqa_bwd_kernel" in source
-    assert "int64_t* __restrict__ Acc" in source
+    assert "sparse_mqa_bwd_ws_kernel" in source
+    assert "int* __restrict__ Acc" in source and "float* __restrict__ RowScale" in source
 
 
 def test_dkv_reduction_is_integer_only(source):
+    """The 64-head body adds dkv as int32 only: its one reduction is the sender's red.add.u32 (in its prelude), no
+    bulk reduction, no float atomic."""
     for bad in FLOAT_ATOMICS:
         assert bad not in source, f"floating-point atomic or reduction {bad!r} in the generated CUDA"
-    assert "AtomicAdd" not in source
-    bulk = re.findall(r"cp\.reduce\.async\.bulk[\w:.]*", source)
-    assert set(bulk) == {"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64"}, sorted(set(bulk))
-    # the bulk reduction's destination is a row of the int64 accumulator
-    assert re.search(r"sparse_mqa_bulk_add_u64\(.*?\(&\(Acc\[", source)
+    assert "AtomicAdd" not in source and "atomicAdd" not in source
+    assert set(re.findall(r"(?:red|atom)\.[\w.]+", source)) == {"red.relaxed.gpu.global.add.u32"}
+    assert "cp.reduce.async.bulk" not in source
+    assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+)[(<]", _body(source))) == {"smqa_send_block", "sparse_mqa_bwd_ws_kernel"}
+
+
+def test_only_valid_rows_are_sent(source):
+    """A slot's KV row reaches the sender only through ``idx_shared``, which holds -1 unless the contract's validity
+    rule holds (valid prefix, 0 <= index < Skv); the sender skips negative rows."""
+    body = _body(source)
+    assert re.search(r"row_j = \(\(int\*\)idx_shared\)\[", body)
+    assert re.search(r"\(\(int\*\)stage\)\[[^]]+\] = row_j;", body)
+    ok = re.search(r"ok = \(\(signed char\)\((.*)\)\);", body)
+    assert ok and all(t in ok.group(1) for t in ("< n_valid", "0 <= idx_r[", "idx_r[r_3] < seq_kv")), "validity rule"
+    store = re.search(r"if \(\(\(bool\)ok\)\) \{\s*(condval_\d+) = idx_r\[r_3\];\s*\} else \{\s*\1 = -1;\s*\}"
+                      r"\s*\(\(int\*\)idx_shared\)\[[^]]+\] = \1;", body)
+    assert store, "idx_shared holds the row only where the rule holds"
+    assert "p[i] = r >= 0 ?" in source and "if (q != nullptr)" in source
+
+
+def test_sender_waits_by_the_global_chunk_count():
+    """WG1 waits for the sender's read of the chunk before with the parity of the query's chunk count so far
+    (``backward_ws.read_parity``): with the block's count alone Dqk 512 (8 chunks) hung on the H200."""
+    for dqk, nch in ((576, 9), (512, 8)):
+        key = bwd_plan.make_plan(1, 64, 128, 64, 64, dqk, 512).key()
+        waits = re.findall(r"bar_read\[0\]\.wait\(\(\(\(kb_1 \* (\d+)\) \+ (\d+)\) & 1\)\)",
+                           backward.kernel_source(key))
+        assert waits == [(str(nch), str(c + 1)) for c in range(nch)], (dqk, waits)
 
 
 def _unguarded_reductions(src: str) -> list[str]:
@@ -58,10 +86,6 @@ def _unguarded_reductions(src: str) -> list[str]:
             bad.append(line.strip()[:120])
     assert seen, "no bulk reduction found"
     return bad
-
-
-def test_only_valid_rows_are_reduced(source):
-    assert not _unguarded_reductions(source)
 
 
 def _shared_ranges(src: str) -> dict:
@@ -94,25 +118,19 @@ def test_single_role_body_shares_no_shared_memory(key):
 
 def test_warp_specialised_roles_are_separate(source):
     """The 64-head body: three roles with their own register budgets (setmaxnreg.inc draws only on what
-    setmaxnreg.dec released in the block: a budget over the launch's 168 per thread would hang), their own
-    named barriers (one id shared by two roles would let one role's threads complete another's barrier), and
-    no two shared-memory buffers at one address (the allocator cannot see that the roles run concurrently)."""
+    setmaxnreg.dec released in the block: a budget over the launch's 168 per thread would hang), and no two
+    shared-memory buffers at one address (the allocator cannot see that the roles run concurrently)."""
     from sparse_mqa_kernels import backward_ws
 
     assert ANCHOR.warp_specialized
-    marks = [re.search(rf"warpgroup_reg_alloc<{backward_ws.NREG[0]}>", source),
-             re.search(rf"warpgroup_reg_alloc<{backward_ws.NREG[1]}>", source),
-             re.search(rf"warpgroup_reg_dealloc<{backward_ws.NREG[2]}>", source)]
-    assert all(marks), "expected one register budget per role"
-    assert "__launch_bounds__(384, 1)" in source and sum(backward_ws.NREG) == 3 * 168
-    starts = [m.start() for m in marks] + [len(source)]
-    ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", source[a:b])) for a, b in zip(starts, starts[1:])]
-    assert all(ids[:2]), "each consumer synchronises its own threads"
-    for i in range(3):
-        for j in range(i + 1, 3):
-            assert not ids[i] & ids[j], f"roles {i} and {j} share named barriers {ids[i] & ids[j]}"
+    body = _body(source)
+    alloc = re.findall(r"warpgroup_reg_alloc<(\d+)>", body)
+    dealloc = re.findall(r"warpgroup_reg_dealloc<(\d+)>", body)
+    assert alloc == [str(n) for n in backward_ws.NREG[:2]] and dealloc == [str(backward_ws.NREG[2])], (alloc, dealloc)
+    assert "__launch_bounds__(384, 1)" in body and sum(backward_ws.NREG) == 3 * 168
     offsets = _shared_ranges(source)
-    assert len(offsets) >= 8 and len(set(offsets.values())) == len(offsets), offsets
+    assert {"Q_shared", "dO_shared", "KV_shared", "P_shared", "dS_shared", "stage"} <= set(offsets), offsets
+    assert len(set(offsets.values())) == len(offsets), offsets
 
 
 def test_variant_keys_choose_the_body():
@@ -125,16 +143,26 @@ def test_variant_keys_choose_the_body():
     assert "warp-specialised" in ANCHOR.describe() and "single-role" in ANCHOR_SINGLE.describe()
 
 
-def test_deferred_rounds_reduce_valid_rows_only(source):
-    """A block's last DEFER staging rounds go out during the next block's products: every reduction stays
-    integer-only and guarded by its row's validity. Call sites: 2 rounds per block, one reduction each for
-    consumer 0 and two for consumer 1 (its columns and the tail), and a deferred round also has a copy after
-    the top-k loop for the last block."""
-    from sparse_mqa_kernels import backward_ws
+@pytest.mark.parametrize("dims", [(576, 512), (512, 512)], ids=["576", "512"])
+def test_row_scale_kernels_compile_without_float_atomics(dims):
+    """``bwd_rows``: the bound pass runs S^T and dP^T as [64 slots x 32 heads] tiles (each warpgroup half the heads),
+    copies q and dO by cp.async and waits for them before its prologue forms and writes Delta, and counts each slot's
+    bound with one integer add (``smqa_octave_add``: red.add.u32), into its row's octave counts only; the row scales
+    use no atomic; the conversion rounds float64 to bf16 once (cvt.rn.bf16.f64)."""
+    from sparse_mqa_kernels import bwd_rows
 
-    assert not _unguarded_reductions(source)
-    rounds = ANCHOR.topk_block // backward_ws.STAGE_ROWS
-    assert source.count("sparse_mqa_bulk_add_u64((") == 3 * (rounds + min(backward_ws.DEFER, rounds))
+    bound, scales, convert = (k.get_kernel_source() for k in bwd_rows.compiled(*dims))
+    body = _body(bound)
+    assert "sparse_mqa_bwd_bound_kernel" in body
+    assert set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", body)) == {("64", "32")}
+    assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+)\(\(", body)) == {"smqa_octave_add"}
+    assert set(re.findall(r"smqa_octave_add\(\(&\((\w+)\[", body)) == {"Hist"}
+    assert set(re.findall(r"(?:red|atom)\.[\w.]+", bound)) == {"red.relaxed.gpu.global.add.u32"}
+    assert body.index("tl::cp_async_commit()") < body.index("tl::cp_async_wait<0>()") < body.index("Delta[")
+    assert "tl::warp_reduce_sum" in body
+    for src in (scales, convert):
+        assert "atomic" not in src.lower() and "red." not in src
+    assert "cvt.rn.bf16.f64" in convert and "smqa_store_bf16_f64((&(dKV[" in _body(convert)
 
 
 def test_prep_pass_compiles_without_atomics():

@@ -41,7 +41,8 @@ def test_plan_covers_exactly_and_stays_in_bounds(H, L, S, B, budget, maxq):
     assert all(1 <= len(c) <= min(p.query_chunk, maxq) for c in chunks)
     assert len(chunks) == p.n_chunks
     # budget: accumulator first; a chunk's count under the budget whenever the budget leaves room for one query
-    assert p.accumulator_bytes() == 8 * B * 64 * 576
+    assert p.accumulator_bytes() == (4 if p.row_scaled() else 8) * B * 64 * 576
+    assert p.row_scaled() == (p.head_group == 64)
     room = budget - p.accumulator_bytes() - 8
     if room >= bwd_plan.staging_bytes_per_query(B, H) + 4 * H:
         assert p.chunk_bytes() <= room
@@ -51,7 +52,7 @@ def test_plan_covers_exactly_and_stays_in_bounds(H, L, S, B, budget, maxq):
 
 def test_anchor_plan_is_one_launch():
     p = make_plan(1, 4096, 8192, 64, 2048, 576, 512)
-    assert (p.head_group, p.n_groups, p.n_topk_blocks, p.n_chunks) == (64, 1, 2048 // bwd_plan.TOPK_BLOCK, 1)
+    assert (p.head_group, p.n_groups, p.n_topk_blocks, p.n_chunks) == (64, 1, -(-2048 // bwd_plan.TOPK_BLOCK), 1)
     assert p.key() == bwd_plan.VariantKey(576, 512, 64, bwd_plan.TOPK_BLOCK)
     assert p.key() in bwd_plan.all_variants() and p.key().warp_specialized
 
@@ -106,3 +107,16 @@ def test_slot_mass_is_one_minus_the_sinks_without_cancelling():
     t = bwd_plan.slot_mass(torch.from_numpy(lse), torch.from_numpy(sink))
     assert t.dtype == torch.float32 and np.allclose(t.numpy(), m, rtol=1e-6, atol=0)  # exp: an ulp apart
     assert bwd_plan.slot_mass(np.array([[[np.nan]]], dtype=np.float32), np.zeros(1, np.float32))[0, 0, 0] == 1
+
+
+def test_octave_ceil_and_row_exponent():
+    """A bound term counts as the power of two at or above it (subnormals as 2**-126, non-finite as inf); F_j keeps
+    B_j 2**F_j in (2**(ROW_HEADROOM - 1), 2**ROW_HEADROOM], clamped, with ROW_F_MIN for an infinite bound."""
+    t = np.array([0.0, 1.0, 1.5, 3.0e-39, 2.0**-20 * 1.01, np.inf, np.nan], dtype=np.float32)
+    assert bwd_plan.octave_ceil(t).tolist() == [0.0, 1.0, 2.0, 2.0**-126, 2.0**-19, np.inf, np.inf]
+    b = np.array([1.0, 3.0, 2.0**-100, 2.0**100, 0.0, np.inf])
+    f = bwd_plan.row_exponent(b)
+    assert f.tolist() == [29, 27, bwd_plan.ROW_F_MAX, -71, bwd_plan.ROW_F_MAX, bwd_plan.ROW_F_MIN]
+    ok = (b > 0) & np.isfinite(b) & (f < bwd_plan.ROW_F_MAX)
+    scaled = b[ok] * np.exp2(f[ok])
+    assert ((scaled <= 2.0**bwd_plan.ROW_HEADROOM) & (scaled > 2.0 ** (bwd_plan.ROW_HEADROOM - 1))).all()

@@ -1,6 +1,6 @@
-"""The stage hand-over of design (a)'s main kernel (``probe_wide_backward.py``'s ``sender`` variants) on CPU: WG1
-stages each dkv chunk into one shared buffer and arrives on ``bar_staged``; the sender warpgroup waits on it, reads
-the chunk, arrives on ``bar_read``, and WG1 waits on that before staging the next chunk. Both barriers are mbarriers
+"""The stage hand-over of the 64-head backward's main kernel (``backward_ws``) on CPU: WG1 stages each dkv chunk
+into one shared buffer and arrives on ``bar_staged``; the sender warpgroup waits on it, reads the chunk, arrives on
+``bar_read``, and WG1 waits on that before staging the next chunk. Both barriers are mbarriers
 waited on by phase parity, so a wrong parity either passes early (a chunk overwritten before it is read) or waits
 for a phase already gone (the kernel hangs: it did at Dqk 512, an even chunk count, on the H200, 2026-12-01).
 
@@ -11,9 +11,8 @@ import random
 
 import pytest
 
-from support import benchmark_module
+from sparse_mqa_kernels.backward_ws import read_parity
 
-WIDE = benchmark_module("probe_wide_backward")
 
 
 class Barrier:
@@ -84,7 +83,7 @@ def run(n_blk, nch, read_parity, policy, seed=0):
 @pytest.mark.parametrize("policy", ["stager first", "sender first", "random"])
 def test_hand_over_never_hangs_or_overwrites(nch, n_blk, policy):
     for seed in range(3 if policy == "random" else 1):
-        assert run(n_blk, nch, WIDE.read_parity, policy, seed) is None
+        assert run(n_blk, nch, read_parity, policy, seed) is None
 
 
 def test_block_local_parity_fails_at_an_even_chunk_count():

@@ -163,3 +163,26 @@ def test_a_sink_dominated_call_keeps_its_gradients_bits():
                 duplicates=True, order="sorted", seed=407)
     res = check_backward_tolerance(TileLangModelBackend(), case)
     assert res.passed, res.message
+
+
+# The fixed-point study's adversarial modes (benchmarks/study_fixed_point.py) at 64 heads, where dkv is summed in
+# int32 at a scale per KV row from the bound pass's octave counts: the model raises where a term or a row's sum would
+# leave int32 (the kernel would wrap silently), and the result must hold the tolerance.
+ROW_SCALED = dict(B=1, S=32, Skv=128, H=64, L=32, Dqk=576, Dv=512, sink="finite", topk="none", invalid="none")
+ADVERSARIAL = {"unit": {}, "spread": dict(magnitude="spread", pattern="local"),
+               "hot": dict(S=512, Skv=16, pattern="hot"),  # 512 terms a row, heavy cancellation
+               "peaky": dict(magnitude="peaky"), "far": dict(sink="far"), "huge": dict(sink="huge"),
+               "mixed": dict(sink="mixed", invalid="mixed", topk="random")}
+
+
+@pytest.mark.parametrize("mode", list(ADVERSARIAL))
+def test_row_scaled_dkv_on_adversarial_magnitudes(mode):
+    case = Case(**{**ROW_SCALED, **ADVERSARIAL[mode]}, seed=len(mode))
+    assert bwd_plan.make_plan(case.B, case.S, case.Skv, case.H, case.L, case.Dqk, case.Dv).row_scaled()
+    check_tolerance(case)
+
+
+def test_row_scaled_dkv_keeps_a_hot_peaky_rows_bits():
+    """1905 terms on one KV row, peaky logits (found by the nightly profile against a bound with |dP| <= |dO| |V|,
+    which left this row too few bits): the bound pass's dP-exact bound, counted in octaves, keeps enough."""
+    check_tolerance(Case(S=127, Skv=1, H=64, L=15, Dqk=24, Dv=16, magnitude="peaky", topk_tile=16, seed=166))

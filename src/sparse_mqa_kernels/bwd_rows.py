@@ -1,0 +1,318 @@
+"""The 64-head backward's fixed point, one scale per KV row (TileLang): the bound pass, the row scales, the conversion.
+
+dkv row j sums a term from every (query, slot, head group) that names it. The main kernel (``backward_ws``) rounds
+each term to an int32 multiple of 2**-F_j and adds the integers, so the sum is exact and order-free; F_j must keep
+every partial sum of the row inside int32, which a bound B_j on the row's total |contribution| gives:
+F_j = ROW_HEADROOM - ceil(log2 B_j) (``bwd_plan``).
+
+``sparse_mqa_bwd_bound`` (one block = one query x 64 heads, 256 threads) forms, per valid slot, the bound on each
+element of its dkv term, summed over the group's heads:
+
+    P_h (|sm_scale| max|q_h| |dP_h - Delta_h| + max|dO_h|) (1 + BOUND_MARGIN),
+
+with S and dP from the same products as the main kernel (so P and dP are the main kernel's before their bf16
+rounding, which the margin covers), and counts it in its KV row's octave: bucket b holds terms in
+(2**(b - 128), 2**(b - 127)] (``smqa_octave_add``, one integer add). Integer adds need no fixed point, so nothing
+global has to be known first, and the counts are the same whatever the order. Its prologue forms Delta_h = out_h .
+dO_h, max|q_h| and max|dO_h| (Delta written for the main kernel and d_sink: no pass before this one).
+``sparse_mqa_bwd_scales`` sums a row's counts times their octaves' upper ends in float64, in bucket order: B_j, at
+most twice the bound the terms sum to. ``sparse_mqa_bwd_convert`` turns the int32 sums into bf16 with one rounding:
+float64 holds acc * 2**-F_j exactly, and cvt.rn.bf16.f64 rounds it once, as the NumPy oracle does.
+"""
+
+# No ``from __future__ import annotations``: TileLang evaluates the kernel's parameter annotations.
+
+import functools
+
+from sparse_mqa_testkit import contract
+
+from . import backward_ws, bwd_plan
+from .target import EXECUTION_BACKEND, TARGET
+
+HG, HW = 64, 32  # heads a block, heads a warpgroup
+THREADS = 256
+ROWS = THREADS // 8  # KV rows a gather pass: 8 threads a row, 16 bytes each
+SCALE_ROWS = 128  # KV rows a block of the row-scale kernel, one thread each
+CONVERT_ROWS = 8  # KV rows a block of the conversion
+
+PRELUDE = r"""
+// one term t >= 0 of a KV row's bound, counted in the octave whose upper end 2**(b - 127) is the smallest power of
+// two >= t (b = 1 for subnormals, 256 for inf and NaN, nothing for 0): integer adds, so order-free and exact
+__device__ __forceinline__ void smqa_octave_add(int* hist, float t) {
+  unsigned int u = __float_as_uint(t) & 0x7fffffffu;
+  if (u == 0u) return;
+  int e = static_cast<int>(u >> 23);
+  int b = e == 255 ? 256 : (e == 0 ? 1 : e + ((u & 0x7fffffu) != 0u));
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(hist + b) : "memory");
+}
+"""
+# one rounding, to nearest even (sm_90); the bf16 type's constructor from double goes through float. The prelude sits
+# before the headers, so it stores the 16 bits itself
+CONVERT_PRELUDE = r"""
+__device__ __forceinline__ void smqa_store_bf16_f64(void* dst, double x) {
+  unsigned short h;
+  asm("cvt.rn.bf16.f64 %0, %1;" : "=h"(h) : "d"(x));
+  *static_cast<unsigned short*>(dst) = h;
+}
+"""
+
+
+def build_bound(dqk: int, dv: int):
+    """``sparse_mqa_bwd_bound``: Delta, and each valid slot's bound counted in its KV row's octave (module docstring).
+
+    S^T = K Q^T and dP^T = V dO^T as [BI slots x 32 heads] tiles: both warpgroups work on the same block, each on
+    half the heads, since q and dO in shared memory leave room for one KV tile; the halves' sums meet in shared
+    memory. The next block's copies go out once both products have read the tile, under the bound arithmetic; its
+    indices were read a block earlier."""
+    import tilelang.language as T
+
+    BI = bwd_plan.BOUND_BLOCK
+    PASSES = BI // ROWS
+    OC = dv // 8 // 32  # 16-byte chunks of out a lane, per head
+    margin = 1.0 + bwd_plan.BOUND_MARGIN
+    batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+    log2e = contract.LOG2E
+    load_query = backward_ws.query_tiles(T, dqk, dv, HG, THREADS)
+
+    @T.macro
+    def prefetch_rows(nxt, Indices, b_i, s_i, kb, n_valid, t):
+        # this thread's rows of block kb into registers, -1 past the valid slots
+        for r in T.unroll(PASSES):
+            slot = kb * BI + r * ROWS + t // 8
+            nxt[r] = T.if_then_else(slot < n_valid, Indices[b_i, s_i, T.max(T.min(slot, n_valid - 1), 0)], -1)
+
+    @T.macro
+    def issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb, n_valid, seq_kv, t):
+        # block kb's copies (the contract's validity rule: a row no valid slot backs is not copied), committed,
+        # then the rows of block kb + 1
+        for r in T.unroll(PASSES):
+            jr[r] = T.if_then_else(T.And(nxt[r] >= 0, nxt[r] < seq_kv), nxt[r], -1)
+            if jr[r] >= 0:
+                for u in T.serial(dqk // 64):
+                    T.ptx_cp_async(T.access_ptr(KVt[r * ROWS + t // 8, 64 * u + (t % 8) * 8], "w", 8),
+                                   T.access_ptr(KV[b_i, jr[r], 64 * u + (t % 8) * 8], "r", 8), 8)
+        T.ptx_commit_group()
+        prefetch_rows(nxt, Indices, b_i, s_i, kb + 1, n_valid, t)
+
+    @T.macro
+    def publish(idx2, jr, p, t):
+        # a block's gathered rows, where the thread counting its bounds reads them
+        for r in T.unroll(PASSES):
+            if t % 8 == 0:
+                idx2[p, r * ROWS + t // 8] = jr[r]
+
+    @T.macro
+    def products(Q_shared, dO_shared, KVt, acc, accp, w):
+        # this warpgroup's heads [32 w, 32 w + 32) of the block: S^T and dP^T
+        T.gemm(KVt, Q_shared[w * HW:(w + 1) * HW, :], acc, transpose_B=True, clear_accum=True)
+        T.gemm(KVt[:, 0:dv], dO_shared[w * HW:(w + 1) * HW, :], accp, transpose_B=True, clear_accum=True)
+
+    @T.macro
+    def bounds(acc, accp, bsum, bs_s, lse_f, c_f, g_f, d_f, c2, w):
+        # each slot's bound over this warpgroup's heads (an invalid slot's, on whatever its tile row holds, is never
+        # counted)
+        for j, h in T.Parallel(BI, HW):
+            acc[j, h] = T.exp2(acc[j, h] * c2 - lse_f[h]) * (c_f[h] * T.abs(accp[j, h] - d_f[h]) + g_f[h])
+        T.reduce_sum(acc, bsum, dim=1)
+        T.copy(bsum, bs_s[w, :])
+
+    @T.macro
+    def out_rows(O, ob, b_i, s_i, h0, heads, tx):
+        # this lane's columns of out for its warp's heads w, w + 8, ..., all loads in flight together (into registers)
+        w, lane = tx // 32, tx % 32
+        for i in T.unroll(HG // 8):
+            for c in T.unroll(OC):
+                for v in T.vectorized(8):
+                    ob[(i * OC + c) * 8 + v] = O[b_i, s_i, T.min(h0 + i * 8 + w, heads - 1), (c * 32 + lane) * 8 + v]
+
+    @T.macro
+    def heads_prep(Q_shared, dO_shared, delta_s, c_s, g_s, ob, st, h0, heads, sm_abs, tx):
+        # warp w takes heads w, w + 8, ...: Delta (its lanes' columns in order, then the butterfly), max|q|, max|dO|
+        # (st: Delta, max|dO|, max|q| of the head in hand)
+        w, lane = tx // 32, tx % 32
+        for i in T.unroll(HG // 8):
+            h = i * 8 + w
+            for k in T.unroll(3):
+                st[k] = 0.0
+            for c in T.unroll(OC):
+                for v in T.unroll(8):
+                    st[0] += T.cast(ob[(i * OC + c) * 8 + v], f32) * T.cast(dO_shared[h, (c * 32 + lane) * 8 + v], f32)
+                    st[1] = T.max(st[1], T.abs(T.cast(dO_shared[h, (c * 32 + lane) * 8 + v], f32)))
+            for c in T.unroll(T.ceildiv(dqk // 8, 32)):
+                if c * 32 + lane < dqk // 8:
+                    for v in T.unroll(8):
+                        st[2] = T.max(st[2], T.abs(T.cast(Q_shared[h, (c * 32 + lane) * 8 + v], f32)))
+            st[0] = T.warp_reduce_sum(st[0])
+            st[1] = T.warp_reduce_max(st[1])
+            st[2] = T.warp_reduce_max(st[2])
+            if lane == 0:
+                delta_s[h] = T.if_then_else(h0 + h < heads, st[0], 0.0)
+                c_s[h] = T.if_then_else(h0 + h < heads, sm_abs * st[2], 0.0)
+                g_s[h] = T.if_then_else(h0 + h < heads, st[1], 0.0)
+
+    @T.macro
+    def heads_init(lse_f, c_f, g_f, d_f, Lse2, c_s, g_s, delta_s, b_i, s_i, h0, w, heads):
+        # padded heads: lse +inf, so P = 0 there
+        for h in T.Parallel(HW):
+            lse_f[h] = T.if_then_else(h0 + w * HW + h < heads, Lse2[b_i, s_i, T.min(h0 + w * HW + h, heads - 1)],
+                                      T.infinity(f32))
+            c_f[h] = c_s[w * HW + h]
+            g_f[h] = g_s[w * HW + h]
+            d_f[h] = delta_s[w * HW + h]
+
+    @T.prim_func
+    def sparse_mqa_bwd_bound(
+        Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
+        O: T.Tensor([batch, seq_len, heads, dv], bf16),
+        dO: T.Tensor([batch, seq_len, heads, dv], bf16),
+        KV: T.Tensor([batch, seq_kv, dqk], bf16),
+        Indices: T.Tensor([batch, seq_len, topk], i32),
+        TopkLen: T.Tensor([batch, seq_len], i32),
+        Lse2: T.Tensor([batch, seq_len, heads], f32),
+        Rows: T.Tensor([n_rows], i32),
+        Delta: T.Tensor([batch, seq_len, heads], f32),
+        Hist: T.Tensor([batch, seq_kv, bwd_plan.OCTAVES], i32),
+        sm_scale: f32,
+    ):
+        groups = T.ceildiv(heads, HG)
+        with T.Kernel(n_rows, batch, groups, threads=THREADS, prelude=PRELUDE) as (bx, by, bz):
+            Q_shared = T.alloc_shared([HG, dqk], bf16)
+            dO_shared = T.alloc_shared([HG, dv], bf16)
+            KVt = T.alloc_shared([BI, dqk], bf16)
+            idx2 = T.alloc_shared([2, BI], i32)
+            bs_s = T.alloc_shared([2, BI], f32)
+            delta_s = T.alloc_shared([HG], f32)
+            c_s = T.alloc_shared([HG], f32)
+            g_s = T.alloc_shared([HG], f32)
+            acc0, acc1 = T.alloc_fragment([BI, HW], f32), T.alloc_fragment([BI, HW], f32)
+            accp0, accp1 = T.alloc_fragment([BI, HW], f32), T.alloc_fragment([BI, HW], f32)
+            bsum0, bsum1 = T.alloc_fragment([BI], f32), T.alloc_fragment([BI], f32)
+            lse0, lse1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
+            c0, c1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
+            g0, g1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
+            d0, d1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
+            nxt = T.alloc_local([PASSES], i32)
+            jr = T.alloc_local([PASSES], i32)
+            ob = T.alloc_local([HG // 8 * dv // 32], bf16)  # this thread's out columns of its warp's 8 heads
+            st = T.alloc_local([3], f32)
+            tx = T.get_thread_binding()
+            b_i, s_i, h0 = by, Rows[bx], bz * HG
+            c2 = sm_scale * log2e
+            n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
+            n_blk = T.ceildiv(n_valid, BI)
+            prefetch_rows(nxt, Indices, b_i, s_i, 0, n_valid, tx)
+            issue(KVt, KV, nxt, jr, Indices, b_i, s_i, 0, n_valid, seq_kv, tx)
+            load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
+            out_rows(O, ob, b_i, s_i, h0, heads, tx)
+            publish(idx2, jr, 0, tx)
+            T.ptx_wait_group(0)  # q and dO (and the first block) in shared memory
+            T.sync_threads()
+            heads_prep(Q_shared, dO_shared, delta_s, c_s, g_s, ob, st, h0, heads, T.abs(sm_scale), tx)
+            T.sync_threads()
+            if T.And(tx < HG, h0 + tx < heads):
+                Delta[b_i, s_i, h0 + tx] = delta_s[tx]
+            if tx < 128:
+                heads_init(lse0, c0, g0, d0, Lse2, c_s, g_s, delta_s, b_i, s_i, h0, 0, heads)
+            else:
+                heads_init(lse1, c1, g1, d1, Lse2, c_s, g_s, delta_s, b_i, s_i, h0, 1, heads)
+            T.ptx_wait_group(0)
+            T.fence_proxy_async()
+            T.sync_threads()
+            for kb in T.serial(n_blk):
+                if kb > 0:
+                    T.ptx_wait_group(0)
+                    T.fence_proxy_async()
+                    T.sync_threads()
+                if tx < 128:
+                    products(Q_shared, dO_shared, KVt, acc0, accp0, 0)
+                else:
+                    products(Q_shared, dO_shared, KVt, acc1, accp1, 1)
+                T.sync_threads()  # both halves have read the tile: the next block's copies run under the arithmetic
+                issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb + 1, n_valid, seq_kv, tx)
+                if tx < 128:
+                    bounds(acc0, accp0, bsum0, bs_s, lse0, c0, g0, d0, c2, 0)
+                else:
+                    bounds(acc1, accp1, bsum1, bs_s, lse1, c1, g1, d1, c2, 1)
+                T.sync_threads()
+                if tx < BI:
+                    if idx2[kb % 2, tx] >= 0:
+                        T.call_extern("handle", "smqa_octave_add", T.address_of(Hist[b_i, idx2[kb % 2, tx], 0]),
+                                      (bs_s[0, tx] + bs_s[1, tx]) * margin)
+                publish(idx2, jr, 1 - kb % 2, tx)
+
+    return sparse_mqa_bwd_bound
+
+
+def build_scales():
+    """``sparse_mqa_bwd_scales``: a row's bound from its octave counts, B_j = sum_b count_b 2**(b - 127) in float64,
+    buckets in order (one thread a row: a fixed order), then F_j, the row's scale 2**F_j and its inverse (0 and 1 for
+    a row no valid slot names; a non-finite term makes B_j infinite and F_j its lower clamp)."""
+    import tilelang.language as T
+
+    batch, seq_kv = T.dynamic("batch, seq_kv")
+    f32, f64, i32 = T.float32, T.float64, T.int32
+    n = bwd_plan.OCTAVES
+
+    @T.prim_func
+    def sparse_mqa_bwd_scales(
+        Hist: T.Tensor([batch, seq_kv, n], i32),
+        Scale: T.Tensor([batch, seq_kv], f32),
+        Inv: T.Tensor([batch, seq_kv], f32),
+    ):
+        with T.Kernel(T.ceildiv(seq_kv, SCALE_ROWS), batch, threads=SCALE_ROWS) as (bx, by):
+            bnd = T.alloc_var(f64)
+            j = bx * SCALE_ROWS + T.get_thread_binding()
+            jj = T.min(j, seq_kv - 1)
+            bnd = 0.0
+            for b in T.serial(n - 1):
+                bnd += T.cast(Hist[by, jj, b + 1], f64) * T.exp2(T.cast(b - 126, f64))
+            if Hist[by, jj, n - 1] > 0:
+                bnd = T.infinity(f64)
+            f = T.max(T.min(float(bwd_plan.ROW_HEADROOM) - T.ceil(T.log2(bnd)), float(bwd_plan.ROW_F_MAX)),
+                      float(bwd_plan.ROW_F_MIN))
+            if j < seq_kv:
+                Scale[by, j] = T.cast(T.if_then_else(bnd > 0.0, T.exp2(f), 0.0), f32)
+                Inv[by, j] = T.cast(T.if_then_else(bnd > 0.0, T.exp2(-f), 1.0), f32)
+
+    return sparse_mqa_bwd_scales
+
+
+def build_convert(dqk: int):
+    """``sparse_mqa_bwd_convert``: dkv = bf16(acc * 2**-F_j) in float64, one rounding (module docstring)."""
+    import tilelang.language as T
+
+    batch, seq_kv = T.dynamic("batch, seq_kv")
+    bf16, f32, f64, i32 = T.bfloat16, T.float32, T.float64, T.int32
+    R = CONVERT_ROWS
+
+    @T.prim_func
+    def sparse_mqa_bwd_convert(
+        Acc: T.Tensor([batch, seq_kv, dqk], i32),
+        Inv: T.Tensor([batch, seq_kv], f32),
+        dKV: T.Tensor([batch, seq_kv, dqk], bf16),
+    ):
+        with T.Kernel(T.ceildiv(seq_kv, R), batch, threads=128, prelude=CONVERT_PRELUDE) as (bx, by):
+            for r, d in T.Parallel(R, dqk):
+                j = T.min(bx * R + r, seq_kv - 1)
+                if bx * R + r < seq_kv:
+                    T.call_extern("handle", "smqa_store_bf16_f64", T.address_of(dKV[by, j, d]),
+                                  T.cast(Acc[by, j, d], f64) * T.cast(Inv[by, j], f64))
+
+    return sparse_mqa_bwd_convert
+
+
+def _compile(program):
+    import tilelang
+
+    return tilelang.compile(program, out_idx=None, target=TARGET, execution_backend=EXECUTION_BACKEND)
+
+
+def describe(dqk: int, dv: int) -> str:
+    return f"sparse_mqa_bwd_bound, _scales, _convert Dqk={dqk} Dv={dv}"
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(dqk: int, dv: int):
+    """(bound pass, row scales, conversion) for head dims (Dqk, Dv), compiled (or loaded from TILELANG_CACHE_DIR)."""
+    return _compile(build_bound(dqk, dv)), _compile(build_scales()), _compile(build_convert(dqk))
