@@ -1,7 +1,8 @@
 """Probe (issue 26, design (b) in BENCHMARKS): the deterministic backward split in two kernels, int32 per KV row;
 and design (a)'s pieces: its prep pass (``prepw``), its bound pass (``lean4``; kernel A reduced to the bound for
 comparison), its row scales and conversion (``scales``, ``convert``), and (``--pipeline``) the whole design timed
-as one call beside today's and cuDNN's, with ``probe_wide_backward.py``'s main kernel.
+as one call beside today's and cuDNN's, with ``probe_wide_backward.py``'s main kernel. The octave bound pass, its
+row scales and the conversion (``octave``, ``scaleso``, ``convert``) are ``sparse_mqa_kernels.bwd_rows``' own.
 
     PYTHONUNBUFFERED=1 python benchmarks/probe_split_backward.py [anchor l512 h128] [--bi 32] [--b-only | --bound]
     python benchmarks/probe_split_backward.py --pipeline [--cudnn] [--pipe-main 48/sender2] [--pipe-tail kernels]
@@ -34,6 +35,7 @@ import statistics
 
 import torch
 
+from sparse_mqa_kernels import bwd_plan, bwd_rows
 from sparse_mqa_testkit import contract
 
 
@@ -349,33 +351,6 @@ def build_b(BI=32, dqk=576, dv=512):
     return split_dkv
 
 
-def gather_macros(T, BI: int, ROWS: int, dqk: int, ahead: int):
-    """The bound passes' gather, as two T.macro pieces: ``prefetch_rows`` loads this thread's rows of block kb into
-    registers (-1 past the valid slots); ``issue`` sends block kb's copies (cp.async, 16 bytes a thread, 8 threads a
-    row, ROWS rows a pass; a row no slot backs is not copied), commits them, and loads the rows of block kb +
-    ``ahead`` (the next block this thread gathers)."""
-    PASSES = BI // ROWS
-
-    @T.macro
-    def prefetch_rows(nxt, Indices, b_i, s_i, kb, n_valid, t):
-        for r in T.unroll(PASSES):
-            slot = kb * BI + r * ROWS + t // 8
-            nxt[r] = T.if_then_else(slot < n_valid, Indices[b_i, s_i, T.max(T.min(slot, n_valid - 1), 0)], -1)
-
-    @T.macro
-    def issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb, n_valid, seq_kv, t):
-        for r in T.unroll(PASSES):
-            jr[r] = T.if_then_else(T.And(nxt[r] >= 0, nxt[r] < seq_kv), nxt[r], -1)
-            if jr[r] >= 0:
-                for u in T.serial(dqk // 64):
-                    T.ptx_cp_async(T.access_ptr(KVt[r * ROWS + t // 8, 64 * u + (t % 8) * 8], "w", 8),
-                                   T.access_ptr(KV[b_i, jr[r], 64 * u + (t % 8) * 8], "r", 8), 8)
-        T.ptx_commit_group()
-        prefetch_rows(nxt, Indices, b_i, s_i, kb + ahead, n_valid, t)
-
-    return prefetch_rows, issue
-
-
 def build_bound(BI=64, dqk=576):
     """Design (a)'s bound pass (``lean4``): each KV row's bound on |its dkv sum|, bound1's bound (|dP| <= |dO_h| |V_j|)
     as two int64 sums U_j = sum P A_h and W_j = sum P B_h, each with its own fixed point (Ex, fixed by the sums of A_h
@@ -400,7 +375,7 @@ def build_bound(BI=64, dqk=576):
     log2e = contract.LOG2E
     load_query, _ = WIDE.query_tiles(T, dqk, 0, HG)  # q only
 
-    prefetch_rows, issue = gather_macros(T, BI, ROWS, dqk, ahead=2)  # a warpgroup's next block is two ahead
+    prefetch_rows, issue = bwd_rows.gather_macros(T, BI, ROWS, dqk, ahead=2)  # a warpgroup's next block is two ahead
 
     @T.macro
     def publish(idx3, jr, w, p, t):
@@ -509,62 +484,6 @@ def build_bound(BI=64, dqk=576):
     return lean_bound4
 
 
-def exact_macros(T, BI: int, HW: int, ROWS: int, dv: int, issue, add):
-    """The dP-exact bound passes' pieces (``exact``, ``octave``), as T.macro: ``publish`` puts a block's gathered rows
-    where the thread adding its bounds reads them; ``products`` runs a warpgroup's S^T and dP^T on the block;
-    ``bounds`` turns them into each slot's bound over the warpgroup's heads, in shared memory; ``block_loop`` runs
-    the blocks, ``add`` (a T.macro: dest, batch, row, bound, ex) putting each slot's bound into its KV row."""
-    PASSES = BI // ROWS
-
-    @T.macro
-    def publish(idx2, jr, p, t):
-        for r in T.unroll(PASSES):
-            if t % 8 == 0:
-                idx2[p, r * ROWS + t // 8] = jr[r]
-
-    @T.macro
-    def products(Q_shared, dO_shared, KVt, acc, accp, w):
-        # this warpgroup's heads [32 w, 32 w + 32) of the block: S^T and dP^T
-        T.gemm(KVt, Q_shared[w * HW:(w + 1) * HW, :], acc, transpose_B=True, clear_accum=True)
-        T.gemm(KVt[:, 0:dv], dO_shared[w * HW:(w + 1) * HW, :], accp, transpose_B=True, clear_accum=True)
-
-    @T.macro
-    def bounds(acc, accp, bsum, bs_s, lse_f, c_f, g_f, d_f, c2, w):
-        # each slot's bound over this warpgroup's heads
-        for j, h in T.Parallel(BI, HW):
-            acc[j, h] = T.exp2(acc[j, h] * c2 - lse_f[h]) * (c_f[h] * T.abs(accp[j, h] - d_f[h]) + g_f[h])
-        T.reduce_sum(acc, bsum, dim=1)
-        T.copy(bsum, bs_s[w, :])
-
-    @T.macro
-    def block_loop(Q_shared, dO_shared, KVt, KV, Indices, idx2, bs_s, nxt, jr, wg0, wg1, dest, ex, b_i, s_i, n_blk,
-                   n_valid, seq_kv, c2, tx):
-        # each block: both warpgroups' products, the next block's copies under the bound arithmetic, each slot's
-        # bound handed to ``add``. wg0, wg1: a warpgroup's (acc, accp, bsum, lse, C, G, Delta) fragments
-        for kb in T.serial(n_blk):
-            if kb > 0:
-                T.ptx_wait_group(0)
-                T.fence_proxy_async()
-                T.sync_threads()
-            if tx < 128:
-                products(Q_shared, dO_shared, KVt, wg0[0], wg0[1], 0)
-            else:
-                products(Q_shared, dO_shared, KVt, wg1[0], wg1[1], 1)
-            T.sync_threads()  # both halves have read the tile: the next block's copies run under the arithmetic
-            issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb + 1, n_valid, seq_kv, tx)
-            if tx < 128:
-                bounds(wg0[0], wg0[1], wg0[2], bs_s, wg0[3], wg0[4], wg0[5], wg0[6], c2, 0)
-            else:
-                bounds(wg1[0], wg1[1], wg1[2], bs_s, wg1[3], wg1[4], wg1[5], wg1[6], c2, 1)
-            T.sync_threads()
-            if tx < BI:
-                if idx2[kb % 2, tx] >= 0:
-                    add(dest, b_i, idx2[kb % 2, tx], (bs_s[0, tx] + bs_s[1, tx]) * (1.0 + 2.0 ** -7), ex)
-            publish(idx2, jr, 1 - kb % 2, tx)
-
-    return publish, products, bounds, block_loop
-
-
 def build_bound_exact(BI=64, dqk=576, dv=512):
     """Design (a)'s bound pass with dP itself (``exact``): per valid slot, sum over heads of
     P (|scale| max|q_h| |dP - Delta_h| + max|dO_h|), bf16 P and dS covered by a 2**-7 margin, added to its KV row as
@@ -582,13 +501,13 @@ def build_bound_exact(BI=64, dqk=576, dv=512):
     log2e = contract.LOG2E
     load_query, _ = WIDE.query_tiles(T, dqk, dv, HG)
 
-    prefetch_rows, issue = gather_macros(T, BI, ROWS, dqk, ahead=1)
+    prefetch_rows, issue = bwd_rows.gather_macros(T, BI, ROWS, dqk, ahead=1)
 
     @T.macro
     def add(RowB, b_i, row, bound, ex):  # one int64 at the call's fixed point
         T.call_extern("handle", "smqa_red_u64", T.address_of(RowB[b_i, row]), T.cast(T.ceil(bound * ex), i64))
 
-    publish, products, bounds, block_loop = exact_macros(T, BI, HW, ROWS, dv, issue, add)
+    publish, products, bounds, block_loop = bwd_rows.bound_macros(T, BI, HW, ROWS, dv, issue, add)
 
     @T.macro
     def heads_init(lse_f, c_f, g_f, d_f, Lse2, C, Gm, Delta, b_i, s_i, h0, heads):
@@ -655,182 +574,7 @@ def build_bound_exact(BI=64, dqk=576, dv=512):
     return bound_exact
 
 
-OCTAVES = 257  # a row's bound counts per octave: bucket b holds terms in (2**(b - 128), 2**(b - 127)]; 256 non-finite
-OCTAVE_PRELUDE = r"""
-// one term t >= 0 of a KV row's bound, counted in the octave whose upper end 2**(b - 127) is the smallest power of
-// two >= t (b = 1 for subnormals, 256 for inf and NaN, nothing for 0): integer adds, so order-free and exact
-__device__ __forceinline__ void smqa_octave_add(int* hist, float t) {
-  unsigned int u = __float_as_uint(t) & 0x7fffffffu;
-  if (u == 0u) return;
-  int e = static_cast<int>(u >> 23);
-  int b = e == 255 ? 256 : (e == 0 ? 1 : e + ((u & 0x7fffffu) != 0u));
-  asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(hist + b) : "memory");
-}
-"""
-
-
-def build_bound_octave(BI=64, dqk=576, dv=512):
-    """``exact`` without a prep pass before it (``octave``): each query's Delta_h = dO_h . out_h, |scale| max|q_h|
-    and max|dO_h| come from its own prologue (q and dO are in shared memory by then; out is read once), and Delta
-    is written for the main kernel; each slot's bound (as ``exact``'s, with its 2**-7 margin) is counted in its KV
-    row's octave histogram (``smqa_octave_add``) instead of an int64 sum at a fixed point, so nothing global has to
-    be known first: the row's bound is sum_b count_b 2**(b - 127) (``scaleso``), at most twice ``exact``'s. Its q and
-    dO arrive by cp.async, all in flight at once (``query_tiles``' "async")."""
-    import tilelang.language as T
-
-    HG, HW = 64, 32
-    ROWS = 256 // 8
-    PASSES = BI // ROWS
-    batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
-    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
-    log2e = contract.LOG2E
-    load_query, _ = WIDE.query_tiles(T, dqk, dv, HG, copies="async")
-    prefetch_rows, issue = gather_macros(T, BI, ROWS, dqk, ahead=1)
-
-    @T.macro
-    def add(Hist, b_i, row, bound, ex):  # counted in the row's octave
-        T.call_extern("handle", "smqa_octave_add", T.address_of(Hist[b_i, row, 0]), bound)
-
-    publish, products, bounds, block_loop = exact_macros(T, BI, HW, ROWS, dv, issue, add)
-    OC = dv // 8 // 32  # 16-byte chunks of out a lane, per head
-
-    @T.macro
-    def out_rows(O, ob, b_i, s_i, h0, heads, tx):
-        # this lane's columns of out for its warp's heads w, w + 8, ..., all loads in flight together (into registers)
-        w, lane = tx // 32, tx % 32
-        for i in T.unroll(HG // 8):
-            for c in T.unroll(OC):
-                for v in T.vectorized(8):
-                    ob[(i * OC + c) * 8 + v] = O[b_i, s_i, T.min(h0 + i * 8 + w, heads - 1), (c * 32 + lane) * 8 + v]
-
-    @T.macro
-    def heads_prep(Q_shared, dO_shared, delta_s, c_s, g_s, ob, st, h0, heads, sm_abs, tx):
-        # warp w takes heads w, w + 8, ...: Delta (its lanes' columns in order, then the butterfly), max|q|, max|dO|
-        # (st: Delta, max|dO|, max|q| of the head in hand); Delta goes out after this (no global store in here)
-        w, lane = tx // 32, tx % 32
-        for i in T.unroll(HG // 8):
-            h = i * 8 + w
-            for k in T.unroll(3):
-                st[k] = 0.0
-            for c in T.unroll(OC):
-                for v in T.unroll(8):
-                    st[0] += T.cast(ob[(i * OC + c) * 8 + v], f32) * T.cast(dO_shared[h, (c * 32 + lane) * 8 + v], f32)
-                    st[1] = T.max(st[1], T.abs(T.cast(dO_shared[h, (c * 32 + lane) * 8 + v], f32)))
-            for c in T.unroll(T.ceildiv(dqk // 8, 32)):
-                if c * 32 + lane < dqk // 8:
-                    for v in T.unroll(8):
-                        st[2] = T.max(st[2], T.abs(T.cast(Q_shared[h, (c * 32 + lane) * 8 + v], f32)))
-            st[0] = T.warp_reduce_sum(st[0])
-            st[1] = T.warp_reduce_max(st[1])
-            st[2] = T.warp_reduce_max(st[2])
-            if lane == 0:
-                delta_s[h] = T.if_then_else(h0 + h < heads, st[0], 0.0)
-                c_s[h] = T.if_then_else(h0 + h < heads, sm_abs * st[2], 0.0)
-                g_s[h] = T.if_then_else(h0 + h < heads, st[1], 0.0)
-
-    @T.macro
-    def heads_init(lse_f, c_f, g_f, d_f, Lse2, c_s, g_s, delta_s, b_i, s_i, h0, w, heads):
-        for h in T.Parallel(HW):
-            lse_f[h] = T.if_then_else(h0 + w * HW + h < heads, Lse2[b_i, s_i, T.min(h0 + w * HW + h, heads - 1)],
-                                      T.infinity(f32))
-            c_f[h] = c_s[w * HW + h]
-            g_f[h] = g_s[w * HW + h]
-            d_f[h] = delta_s[w * HW + h]
-
-    @T.prim_func
-    def bound_octave(
-        Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
-        O: T.Tensor([batch, seq_len, heads, dv], bf16),
-        dO: T.Tensor([batch, seq_len, heads, dv], bf16),
-        KV: T.Tensor([batch, seq_kv, dqk], bf16),
-        Indices: T.Tensor([batch, seq_len, topk], i32),
-        TopkLen: T.Tensor([batch, seq_len], i32),
-        Lse2: T.Tensor([batch, seq_len, heads], f32),
-        Rows: T.Tensor([n_rows], i32),
-        Delta: T.Tensor([batch, seq_len, heads], f32),
-        Hist: T.Tensor([batch, seq_kv, OCTAVES], i32),
-        sm_scale: f32,
-    ):
-        groups = T.ceildiv(heads, HG)
-        with T.Kernel(n_rows, batch, groups, threads=256, prelude=WIDE.PRELUDE + OCTAVE_PRELUDE) as (bx, by, bz):
-            Q_shared = T.alloc_shared([HG, dqk], bf16)
-            dO_shared = T.alloc_shared([HG, dv], bf16)
-            KVt = T.alloc_shared([BI, dqk], bf16)
-            idx2 = T.alloc_shared([2, BI], i32)
-            bs_s = T.alloc_shared([2, BI], f32)
-            delta_s = T.alloc_shared([HG], f32)
-            c_s = T.alloc_shared([HG], f32)
-            g_s = T.alloc_shared([HG], f32)
-            acc0, acc1 = T.alloc_fragment([BI, HW], f32), T.alloc_fragment([BI, HW], f32)
-            accp0, accp1 = T.alloc_fragment([BI, HW], f32), T.alloc_fragment([BI, HW], f32)
-            bsum0, bsum1 = T.alloc_fragment([BI], f32), T.alloc_fragment([BI], f32)
-            lse0, lse1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
-            c0, c1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
-            g0, g1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
-            d0, d1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
-            nxt = T.alloc_local([PASSES], i32)
-            jr = T.alloc_local([PASSES], i32)
-            ob = T.alloc_local([HG // 8 * dv // 32], bf16)  # this thread's out columns of its warp's 8 heads
-            st = T.alloc_local([3], f32)
-            tx = T.get_thread_binding()
-            b_i, s_i, h0 = by, Rows[bx], bz * HG
-            c2 = sm_scale * log2e
-            n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
-            n_blk = T.ceildiv(n_valid, BI)
-            prefetch_rows(nxt, Indices, b_i, s_i, 0, n_valid, tx)
-            issue(KVt, KV, nxt, jr, Indices, b_i, s_i, 0, n_valid, seq_kv, tx)
-            load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
-            out_rows(O, ob, b_i, s_i, h0, heads, tx)
-            publish(idx2, jr, 0, tx)
-            T.ptx_wait_group(0)  # q and dO (and the first block) in shared memory
-            T.sync_threads()
-            heads_prep(Q_shared, dO_shared, delta_s, c_s, g_s, ob, st, h0, heads, T.abs(sm_scale), tx)
-            T.sync_threads()
-            if T.And(tx < HG, h0 + tx < heads):
-                Delta[b_i, s_i, h0 + tx] = delta_s[tx]
-            if tx < 128:
-                heads_init(lse0, c0, g0, d0, Lse2, c_s, g_s, delta_s, b_i, s_i, h0, 0, heads)
-            else:
-                heads_init(lse1, c1, g1, d1, Lse2, c_s, g_s, delta_s, b_i, s_i, h0, 1, heads)
-            T.ptx_wait_group(0)
-            T.fence_proxy_async()
-            T.sync_threads()
-            block_loop(Q_shared, dO_shared, KVt, KV, Indices, idx2, bs_s, nxt, jr,
-                       (acc0, accp0, bsum0, lse0, c0, g0, d0), (acc1, accp1, bsum1, lse1, c1, g1, d1), Hist, 1.0,
-                       b_i, s_i, n_blk, n_valid, seq_kv, c2, tx)
-
-    return bound_octave
-
-
-def build_scaleso(BJ=128):
-    """``scaleso``: a row's bound from its octave counts, B_j = sum_b count_b 2**(b - 127) in float64, buckets in
-    order (one thread a row, so the sum's order is fixed), then F_j, the scale and its inverse as ``scales1``."""
-    import tilelang.language as T
-
-    batch, seq_kv = T.dynamic("batch, seq_kv")
-    f32, f64, i32 = T.float32, T.float64, T.int32
-
-    @T.prim_func
-    def row_scaleo(
-        Hist: T.Tensor([batch, seq_kv, OCTAVES], i32),
-        Scale: T.Tensor([batch, seq_kv], f32),
-        Inv: T.Tensor([batch, seq_kv], f32),
-    ):
-        with T.Kernel(T.ceildiv(seq_kv, BJ), batch, threads=BJ) as (bx, by):
-            bnd = T.alloc_var(f64)
-            j = bx * BJ + T.get_thread_binding()
-            jj = T.min(j, seq_kv - 1)
-            bnd = 0.0
-            for b in T.serial(OCTAVES - 1):
-                bnd += T.cast(Hist[by, jj, b + 1], f64) * T.exp2(T.cast(b - 126, f64))
-            if Hist[by, jj, OCTAVES - 1] > 0:
-                bnd = T.infinity(f64)
-            f = T.max(T.min(29.0 - T.ceil(T.log2(bnd)), 120.0), -120.0)
-            if j < seq_kv:
-                Scale[by, j] = T.cast(T.if_then_else(bnd > 0.0, T.exp2(f), 0.0), f32)
-                Inv[by, j] = T.cast(T.if_then_else(bnd > 0.0, T.exp2(-f), 1.0), f32)
-
-    return row_scaleo
+OCTAVES = bwd_plan.OCTAVES
 
 
 def build_vnorms(dqk=576, dv=512, WPB=8):
@@ -1046,40 +790,6 @@ def build_scales1(BJ=256):
     return row_scale1
 
 
-def build_convert(dqk=576, BJ=8):
-    """``convert``: dkv = bf16(acc * 2**-F_j), one int32 row a warp-pass, in float64 (the int32 and the power of two
-    are exact there, so the only rounding is the last one, to bf16, as the NumPy oracle's; through float32, a sum
-    above 2**24, which a row with few terms reaches, would round twice, as torch's float64-to-bf16 does)."""
-    import tilelang.language as T
-
-    batch, seq_kv = T.dynamic("batch, seq_kv")
-    bf16, f32, f64, i32 = T.bfloat16, T.float32, T.float64, T.int32
-    # one rounding, to nearest even (cvt.rn.bf16.f64, sm_90); the bf16 type's constructor from double goes through
-    # float. The prelude sits before the headers, so it stores the 16 bits itself
-    prelude = r"""
-__device__ __forceinline__ void smqa_store_bf16_f64(void* dst, double x) {
-  unsigned short h;
-  asm("cvt.rn.bf16.f64 %0, %1;" : "=h"(h) : "d"(x));
-  *static_cast<unsigned short*>(dst) = h;
-}
-"""
-
-    @T.prim_func
-    def convert(
-        Acc: T.Tensor([batch, seq_kv, dqk], i32),
-        Inv: T.Tensor([batch, seq_kv], f32),
-        dKV: T.Tensor([batch, seq_kv, dqk], bf16),
-    ):
-        with T.Kernel(T.ceildiv(seq_kv, BJ), batch, threads=128, prelude=prelude) as (bx, by):
-            for r, d in T.Parallel(BJ, dqk):
-                j = T.min(bx * BJ + r, seq_kv - 1)
-                if bx * BJ + r < seq_kv:
-                    T.call_extern("handle", "smqa_store_bf16_f64", T.address_of(dKV[by, j, d]),
-                                  T.cast(Acc[by, j, d], f64) * T.cast(Inv[by, j], f64))
-
-    return convert
-
-
 def prep_w(kp, t, exact=None):
     """``prepw`` and the rest of the bound pass's inputs: (Delta, A, Bc, Lse2, Ex), Ex the fixed points of U and W;
     with ``exact`` (the ``vnorms`` and ``qvmax`` kernels), (Delta, C, Gm, Lse2, Ex) for the dP-exact bound, Ex from
@@ -1139,11 +849,11 @@ def compiled(which: str, bi: int = 32, dims=(576, 512)):
     dqk, dv = dims
     program = (build_b(bi) if which == "b" else build_bound(dqk=dqk) if which == "lean4"
                else build_bound_exact(dqk=dqk, dv=dv) if which == "exact"
-               else build_bound_octave(dqk=dqk, dv=dv) if which == "octave"
-               else build_scaleso() if which == "scaleso"
+               else bwd_rows.build_bound(dqk, dv) if which == "octave"
+               else bwd_rows.build_scales() if which == "scaleso"
                else build_prepw(dqk, dv) if which == "prepw" else build_scales(dqk, dv) if which == "scales"
                else build_vnorms(dqk, dv) if which == "vnorms" else build_qvmax() if which == "qvmax"
-               else build_scales1() if which == "scales1" else build_convert(dqk) if which == "convert"
+               else build_scales1() if which == "scales1" else bwd_rows.build_convert(dqk) if which == "convert"
                else build_a("full" if which == "a" else which))
     return tilelang.compile(program, out_idx=None, target=TARGET, execution_backend=EXECUTION_BACKEND)
 

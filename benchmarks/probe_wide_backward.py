@@ -42,6 +42,7 @@ from types import SimpleNamespace
 
 import torch
 
+from sparse_mqa_kernels import backward_ws
 from sparse_mqa_kernels.backward import PRELUDE as _BACKWARD_PRELUDE
 from sparse_mqa_kernels.backward_ws import read_parity
 from sparse_mqa_kernels.bench.ptx import PRELUDE_4B
@@ -49,8 +50,8 @@ from sparse_mqa_testkit import contract
 
 C = 64  # dkv chunk columns
 
-# the 4-byte reductions and bulk-group waits come from the backward's and the benchmarks' preludes; below, the
-# probes' own send helpers
+# the 4-byte reductions and bulk-group waits come from the backward's and the benchmarks' preludes, the sender's
+# helpers from the 64-head backward's; below, the probes' own send helper
 PRELUDE = _BACKWARD_PRELUDE + PRELUDE_4B + r"""
 // one warp sends N staged rows (row i at stage + i * W) of a 64-column chunk, two 128-byte lines each, to the
 // accumulator rows rows[i] (acc: row 0 at the chunk's first column; a negative row is skipped): loads first
@@ -72,54 +73,7 @@ __device__ __forceinline__ void smqa_send_rows(const int* stage, const int* rows
     }
   }
 }
-__device__ __forceinline__ void smqa_mbar_wait(void* bar, int parity) {
-  unsigned int b = static_cast<unsigned int>(__cvta_generic_to_shared(bar));
-  asm volatile("{\n\t.reg .pred P1;\n\tLAB_WAIT:\n\t"
-               "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n\t@P1 bra DONE;\n\tbra LAB_WAIT;\n\tDONE:\n\t}"
-               :: "r"(b), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void smqa_mbar_arrive(void* bar) {
-  unsigned int b = static_cast<unsigned int>(__cvta_generic_to_shared(bar));
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(b) : "memory");
-}
-// the sender warpgroup, one call a top-k block: this warp's N staged rows (row i at stage + i * W, its KV row in column
-// RC) for each of the block's NCH chunks of C columns. Row pointers are formed once a block, so a chunk costs its
-// loads and reds (two 128-byte lines a row, at immediate offsets); the stage is freed once a chunk's loads are done.
-// k0 is the block's first chunk number (mbarrier parities).
-template <int N, int W, int D, int RC, int NCH, int C>
-__device__ __forceinline__ void smqa_send_block(const int* stage, int* acc, int lane, void* staged, void* read,
-                                                int k0) {
-  int* p[N];
-  smqa_mbar_wait(staged, k0 & 1);
-  #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    int r = stage[i * W + RC];
-    p[i] = r >= 0 ? acc + static_cast<long long>(r) * D + lane : nullptr;
-  }
-  #pragma unroll
-  for (int c = 0; c < NCH; ++c) {
-    if (c > 0) smqa_mbar_wait(staged, (k0 + c) & 1);
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      int v0[N / 2], v1[N / 2];
-      #pragma unroll
-      for (int i = 0; i < N / 2; ++i) {
-        v0[i] = stage[(h * N / 2 + i) * W + lane];
-        v1[i] = stage[(h * N / 2 + i) * W + 32 + lane];
-      }
-      if (h == 1) smqa_mbar_arrive(read);
-      #pragma unroll
-      for (int i = 0; i < N / 2; ++i) {
-        int* q = p[h * N / 2 + i];
-        if (q != nullptr) {
-          asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(q + c * C), "r"(v0[i]));
-          asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(q + c * C + 32), "r"(v1[i]));
-        }
-      }
-    }
-  }
-}
-"""
+""" + backward_ws.PRELUDE
 
 
 def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256, copies: str = "sync"):

@@ -1,6 +1,6 @@
 """Design (a) of issue 26 as a backend the suite can run (``--smqa-backend rows_backend:RowsBackend`` with this folder
-on PYTHONPATH), built from the probes' kernels, so that the whole conformance suite and the scale tier judge it
-before any of it moves into ``sparse_mqa_kernels``:
+on PYTHONPATH), built from the probes' kernels, so that the whole conformance suite and the scale tier judged it
+before it moved into ``sparse_mqa_kernels`` (the ``tilelang`` backend's 64-head path, with the octave bound):
 
 1. ``prepw`` (``probe_split_backward.py``): Delta and the bound's per-head factors A_h, B_h, one warp a (query, head);
 2. ``lean4``: each KV row's bound as two int64 sums U_j = sum P A_h, W_j = sum P B_h (each with a fixed point fixed
@@ -18,15 +18,12 @@ check on CPU that the bound holds wherever they reach.
 ``RowsExactBackend`` is the same with the bound pass that takes dP itself (``exact``: S and dP products, one int64
 sum a row; ``vnorms`` and ``qvmax`` give each query's largest named |V_j| for its fixed point; ``scales1``), which the
 CPU models show design (a) needs on hot rows of peaky logits; the suite's ci profile and scale tier pass on it at
-576/512 on the H200. ``RowsOctaveBackend`` drops the prep pass, ``vnorms`` and ``qvmax``: its bound pass
-(``octave``) forms Delta and the per-head factors itself and counts each slot's bound in its KV row's octave
-(integer adds need no fixed point, so nothing global has to be known first); ``scaleso`` sums the counts into row
-scales. Its bound is at most twice ``exact``'s (one bit of each row's int32; ``RowsModelOctaveBackend`` models it
-on CPU).
+576/512 on the H200. The octave bound pass that replaced the prep pass is the ``tilelang`` backend's own now
+(``sparse_mqa_kernels.bwd_rows``); ``RowsModelOctaveBackend`` models it beside the others on CPU.
 
 Every sum is integer or in a fixed order, so the result is bitwise stable. ``RowsBackend`` and
-``RowsExactBackend`` declare Dqk 576 / Dv 512, where they have run through the suite; ``RowsOctaveBackend`` declares
-both production dims (its kernels build for 512 / 512; not yet run there). The forward is the ``tilelang`` backend's.
+``RowsExactBackend`` declare Dqk 576 / Dv 512, where they have run through the suite. The forward is the ``tilelang``
+backend's.
 """
 
 from __future__ import annotations
@@ -101,11 +98,7 @@ class RowsBackend(BackendBase):
             return 0
         B, S, Skv, H, Dqk = case.B, case.S, case.Skv, case.H, case.Dqk
         return (4 * B * Skv * Dqk + 28 * B * Skv + 4 * B * Dqk + 72 * B * S * H
-                + 8 * B * S * -(-H // 8) + 12 * B * S + 4 * S + (64 << 10) + self._bound_bytes(case))
-
-    def _bound_bytes(self, case) -> int:
-        """What the bound pass holds beyond ``workspace_bytes``' terms (its int64 sums are among them)."""
-        return 0
+                + 8 * B * S * -(-H // 8) + 12 * B * S + 4 * S + (64 << 10))
 
     def _prep(self, k, d, x, delta):
         """``prepw``: Delta into ``delta``; returns the bound's per-head factors A, B, C, G and the head blocks'
@@ -177,27 +170,6 @@ class RowsExactBackend(RowsBackend):
         k["scales"](row_b, ex, scale, inv)
 
 
-class RowsOctaveBackend(RowsBackend):
-    """``RowsExactBackend`` without a prep pass: the bound pass (``octave``) forms Delta and its per-head factors in
-    its own prologue and counts each slot's bound in its KV row's octave (no fixed point to fix first); ``scaleso``
-    turns the counts into row scales. The bound is at most twice ``exact``'s. Both kernels copy a query's q and dO
-    with cp.async (``48/sender4``)."""
-
-    name = "tilelang-rows-octave"
-    main = "48/sender4"
-    dims = contract.PRODUCTION_DIMS  # 512 / 512 not yet through the suite on a GPU
-    kernels = (("bound", "octave"), ("scales", "scaleso"), ("convert", "convert"))
-
-    def _bound_bytes(self, case) -> int:
-        return 4 * _probe("probe_split_backward").OCTAVES * case.B * case.Skv  # the octave counts, 4 bytes each
-
-    def _row_scales(self, k, d, x, delta, scale, inv):
-        """``octave`` (Delta into ``delta`` too) and ``scaleso``: no prep pass."""
-        hist = torch.zeros(d.B, d.Skv, k["split"].OCTAVES, dtype=torch.int32, device=x.dev)
-        k["bound"](x.q, x.out, x.grad_out, x.kv, x.indices, x.tl, x.lse2, x.rows, delta, hist, x.sm)
-        k["scales"](hist, scale, inv)
-
-
 class RowsModelBackend(BackendBase):
     """Design (a)'s arithmetic in NumPy (see the module docstring), on CPU torch tensors. ``dp``: how the bound
     takes |dP| (``study_fixed_point.row_bound``): "norms" as ``lean4`` does (|dO_h| |V_j|), "exact" from dP itself
@@ -215,6 +187,7 @@ class RowsModelBackend(BackendBase):
         import numpy as np
 
         from sparse_mqa_kernels import backward_model as bm
+        from sparse_mqa_kernels import bwd_plan
         from sparse_mqa_testkit.convert import to_torch
         from sparse_mqa_testkit.oracle import round_bf16, to_numpy
 
@@ -225,32 +198,17 @@ class RowsModelBackend(BackendBase):
                                                             topk_length))
         sm = float(sm_scale)
         B, S, H, Dqk = q.shape
-        Skv, Dv = kv.shape[1], out.shape[-1]
+        Dv = out.shape[-1]
         prep = bm.prepare(q, kv, out, go, lse, sink, idx, sm, tl)
         dq = np.zeros((B, S, prep.plan.padded_heads, Dqk), dtype=np.float32)
-        acc = np.zeros((B, Skv, Dqk), dtype=np.int64)
         blocks = list(bm.blocks(q, kv, go, lse, sink, idx, sm, tl, prep, dq))
-        bound = np.zeros((B, Skv), dtype=np.float32)
-        for blk in blocks:
+
+        def terms(blk):  # this design's bound on a slot's term, up to a power of two with octaves
             t = study.row_bound(blk, kv, Dv, sm, self.dp) * np.float32(1.0 + 2.0**-7)
-            if self.octaves:  # each term up to the power of two above it (the bucket's own bound)
-                with np.errstate(divide="ignore"):
-                    t = np.where(t > 0, np.exp2(np.ceil(np.log2(t.astype(np.float64)))), 0).astype(np.float32)
-            np.add.at(bound, blk.rows, t)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            f = np.clip(study.HEADROOM - np.ceil(np.log2(bound.astype(np.float64))), -120, 120)
-        named = bound > 0
-        f = np.where(named, f, 0).astype(np.int64)
-        for blk in blocks:
-            ints = np.rint(np.ldexp(blk.contrib.astype(np.float64), f[blk.rows][:, None]))
-            ints = np.where(named[blk.rows][:, None], ints, 0)
-            if not np.all(np.abs(ints) < 2.0**31):
-                raise AssertionError(f"design (a): a dkv term leaves int32 (largest {np.abs(ints).max():.3e})")
-            np.add.at(acc, blk.rows, ints.astype(np.int64))
-        if not np.all(np.abs(acc) < 2**31):
-            b, j = np.unravel_index(np.abs(acc).max(-1).argmax(), acc.shape[:2])
-            raise AssertionError(f"design (a): row ({b}, {j})'s dkv sum leaves int32 (bound {bound[b, j]:.3e})")
-        dkv = round_bf16(np.ldexp(acc.astype(np.float64), -f[..., None])).astype(np.float32)
+            return bwd_plan.octave_ceil(t) if self.octaves else t.astype(np.float64)
+
+        exact, _ = bm.row_scaled_dkv(blocks, kv, Dv, sm, terms=terms)  # raises where an int32 sum would wrap
+        dkv = round_bf16(exact).astype(np.float32)
         dq = round_bf16(dq[:, :, :H]).astype(np.float32)
         d_sink = None
         if sink is not None:

@@ -181,14 +181,18 @@ def slot_bounds(blk: Block, kv, d_v: int, sm_scale: float) -> np.ndarray:
         return per_head.sum(-1, dtype=np.float32) * np.float32(1.0 + bwd_plan.BOUND_MARGIN)
 
 
-def row_scaled_dkv(blks: list, kv, d_v: int, sm_scale: float):
+def row_scaled_dkv(blks: list, kv, d_v: int, sm_scale: float, terms=None):
     """The 64-head path's dkv: each row's bound from its slots' bounds counted in octaves, F_j, each term rounded to an
     int32 multiple of 2**-F_j, the integers summed, then bf16. Returns (dkv float64 before its bf16 rounding, F_j);
-    raises AssertionError where a term or a row's sum leaves int32."""
+    raises AssertionError where a term or a row's sum leaves int32. ``terms(blk)``: what each valid slot adds to its
+    row's bound, the bound pass's (``slot_bounds`` up to a power of two) unless given."""
     B, Skv, Dqk = np.shape(kv)
+    if terms is None:
+        def terms(blk):
+            return bwd_plan.octave_ceil(slot_bounds(blk, kv, d_v, sm_scale))
     bound = np.zeros((B, Skv), dtype=np.float64)
     for blk in blks:
-        np.add.at(bound, blk.rows, bwd_plan.octave_ceil(slot_bounds(blk, kv, d_v, sm_scale)))
+        np.add.at(bound, blk.rows, terms(blk))
     F = bwd_plan.row_exponent(bound)
     scale = np.where(bound > 0, np.exp2(F.astype(np.float64)), 0.0).astype(np.float32)
     acc = np.zeros((B, Skv, Dqk), dtype=np.int64)

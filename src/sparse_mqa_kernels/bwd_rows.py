@@ -57,6 +57,91 @@ __device__ __forceinline__ void smqa_store_bf16_f64(void* dst, double x) {
 """
 
 
+def gather_macros(T, BI: int, ROWS: int, dqk: int, ahead: int):
+    """The bound pass's gather, as two T.macro pieces: ``prefetch_rows`` loads this thread's rows of block kb into
+    registers (-1 past the valid slots); ``issue`` sends block kb's copies (cp.async, 16 bytes a thread, 8 threads a
+    row, ROWS rows a pass; by the contract's validity rule a row no valid slot backs is not copied), commits them,
+    and loads the rows of block kb + ``ahead`` (the next block this thread gathers)."""
+    PASSES = BI // ROWS
+
+    @T.macro
+    def prefetch_rows(nxt, Indices, b_i, s_i, kb, n_valid, t):
+        for r in T.unroll(PASSES):
+            slot = kb * BI + r * ROWS + t // 8
+            nxt[r] = T.if_then_else(slot < n_valid, Indices[b_i, s_i, T.max(T.min(slot, n_valid - 1), 0)], -1)
+
+    @T.macro
+    def issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb, n_valid, seq_kv, t):
+        for r in T.unroll(PASSES):
+            jr[r] = T.if_then_else(T.And(nxt[r] >= 0, nxt[r] < seq_kv), nxt[r], -1)
+            if jr[r] >= 0:
+                for u in T.serial(dqk // 64):
+                    T.ptx_cp_async(T.access_ptr(KVt[r * ROWS + t // 8, 64 * u + (t % 8) * 8], "w", 8),
+                                   T.access_ptr(KV[b_i, jr[r], 64 * u + (t % 8) * 8], "r", 8), 8)
+        T.ptx_commit_group()
+        prefetch_rows(nxt, Indices, b_i, s_i, kb + ahead, n_valid, t)
+
+    return prefetch_rows, issue
+
+
+def bound_macros(T, BI: int, HW: int, ROWS: int, dv: int, issue, add):
+    """The dP-exact bound's pieces, as T.macro: ``publish`` puts a block's gathered rows where the thread adding its
+    bounds reads them; ``products`` runs a warpgroup's S^T and dP^T on the block; ``bounds`` turns them into each
+    slot's bound over the warpgroup's heads, in shared memory; ``block_loop`` runs the blocks, ``add`` (a T.macro:
+    dest, batch, row, bound, ex) putting each valid slot's bound, times 1 + BOUND_MARGIN, into its KV row."""
+    PASSES = BI // ROWS
+    margin = 1.0 + bwd_plan.BOUND_MARGIN
+
+    @T.macro
+    def publish(idx2, jr, p, t):
+        for r in T.unroll(PASSES):
+            if t % 8 == 0:
+                idx2[p, r * ROWS + t // 8] = jr[r]
+
+    @T.macro
+    def products(Q_shared, dO_shared, KVt, acc, accp, w):
+        # this warpgroup's heads [HW w, HW w + HW) of the block: S^T and dP^T
+        T.gemm(KVt, Q_shared[w * HW:(w + 1) * HW, :], acc, transpose_B=True, clear_accum=True)
+        T.gemm(KVt[:, 0:dv], dO_shared[w * HW:(w + 1) * HW, :], accp, transpose_B=True, clear_accum=True)
+
+    @T.macro
+    def bounds(acc, accp, bsum, bs_s, lse_f, c_f, g_f, d_f, c2, w):
+        # each slot's bound over this warpgroup's heads (an invalid slot's, on whatever its tile row holds, is never
+        # added)
+        for j, h in T.Parallel(BI, HW):
+            acc[j, h] = T.exp2(acc[j, h] * c2 - lse_f[h]) * (c_f[h] * T.abs(accp[j, h] - d_f[h]) + g_f[h])
+        T.reduce_sum(acc, bsum, dim=1)
+        T.copy(bsum, bs_s[w, :])
+
+    @T.macro
+    def block_loop(Q_shared, dO_shared, KVt, KV, Indices, idx2, bs_s, nxt, jr, wg0, wg1, dest, ex, b_i, s_i, n_blk,
+                   n_valid, seq_kv, c2, tx):
+        # each block: both warpgroups' products, the next block's copies under the bound arithmetic, each valid slot's
+        # bound handed to ``add``. wg0, wg1: a warpgroup's (acc, accp, bsum, lse, C, G, Delta) fragments
+        for kb in T.serial(n_blk):
+            if kb > 0:
+                T.ptx_wait_group(0)
+                T.fence_proxy_async()
+                T.sync_threads()
+            if tx < 128:
+                products(Q_shared, dO_shared, KVt, wg0[0], wg0[1], 0)
+            else:
+                products(Q_shared, dO_shared, KVt, wg1[0], wg1[1], 1)
+            T.sync_threads()  # both halves have read the tile: the next block's copies run under the arithmetic
+            issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb + 1, n_valid, seq_kv, tx)
+            if tx < 128:
+                bounds(wg0[0], wg0[1], wg0[2], bs_s, wg0[3], wg0[4], wg0[5], wg0[6], c2, 0)
+            else:
+                bounds(wg1[0], wg1[1], wg1[2], bs_s, wg1[3], wg1[4], wg1[5], wg1[6], c2, 1)
+            T.sync_threads()
+            if tx < BI:
+                if idx2[kb % 2, tx] >= 0:
+                    add(dest, b_i, idx2[kb % 2, tx], (bs_s[0, tx] + bs_s[1, tx]) * margin, ex)
+            publish(idx2, jr, 1 - kb % 2, tx)
+
+    return publish, products, bounds, block_loop
+
+
 def build_bound(dqk: int, dv: int):
     """``sparse_mqa_bwd_bound``: Delta, and each valid slot's bound counted in its KV row's octave (module docstring).
 
@@ -69,53 +154,17 @@ def build_bound(dqk: int, dv: int):
     BI = bwd_plan.BOUND_BLOCK
     PASSES = BI // ROWS
     OC = dv // 8 // 32  # 16-byte chunks of out a lane, per head
-    margin = 1.0 + bwd_plan.BOUND_MARGIN
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
     load_query = backward_ws.query_tiles(T, dqk, dv, HG, THREADS)
+    prefetch_rows, issue = gather_macros(T, BI, ROWS, dqk, ahead=1)
 
     @T.macro
-    def prefetch_rows(nxt, Indices, b_i, s_i, kb, n_valid, t):
-        # this thread's rows of block kb into registers, -1 past the valid slots
-        for r in T.unroll(PASSES):
-            slot = kb * BI + r * ROWS + t // 8
-            nxt[r] = T.if_then_else(slot < n_valid, Indices[b_i, s_i, T.max(T.min(slot, n_valid - 1), 0)], -1)
+    def add(Hist, b_i, row, bound, ex):  # counted in the row's octave
+        T.call_extern("handle", "smqa_octave_add", T.address_of(Hist[b_i, row, 0]), bound)
 
-    @T.macro
-    def issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb, n_valid, seq_kv, t):
-        # block kb's copies (the contract's validity rule: a row no valid slot backs is not copied), committed,
-        # then the rows of block kb + 1
-        for r in T.unroll(PASSES):
-            jr[r] = T.if_then_else(T.And(nxt[r] >= 0, nxt[r] < seq_kv), nxt[r], -1)
-            if jr[r] >= 0:
-                for u in T.serial(dqk // 64):
-                    T.ptx_cp_async(T.access_ptr(KVt[r * ROWS + t // 8, 64 * u + (t % 8) * 8], "w", 8),
-                                   T.access_ptr(KV[b_i, jr[r], 64 * u + (t % 8) * 8], "r", 8), 8)
-        T.ptx_commit_group()
-        prefetch_rows(nxt, Indices, b_i, s_i, kb + 1, n_valid, t)
-
-    @T.macro
-    def publish(idx2, jr, p, t):
-        # a block's gathered rows, where the thread counting its bounds reads them
-        for r in T.unroll(PASSES):
-            if t % 8 == 0:
-                idx2[p, r * ROWS + t // 8] = jr[r]
-
-    @T.macro
-    def products(Q_shared, dO_shared, KVt, acc, accp, w):
-        # this warpgroup's heads [32 w, 32 w + 32) of the block: S^T and dP^T
-        T.gemm(KVt, Q_shared[w * HW:(w + 1) * HW, :], acc, transpose_B=True, clear_accum=True)
-        T.gemm(KVt[:, 0:dv], dO_shared[w * HW:(w + 1) * HW, :], accp, transpose_B=True, clear_accum=True)
-
-    @T.macro
-    def bounds(acc, accp, bsum, bs_s, lse_f, c_f, g_f, d_f, c2, w):
-        # each slot's bound over this warpgroup's heads (an invalid slot's, on whatever its tile row holds, is never
-        # counted)
-        for j, h in T.Parallel(BI, HW):
-            acc[j, h] = T.exp2(acc[j, h] * c2 - lse_f[h]) * (c_f[h] * T.abs(accp[j, h] - d_f[h]) + g_f[h])
-        T.reduce_sum(acc, bsum, dim=1)
-        T.copy(bsum, bs_s[w, :])
+    publish, products, bounds, block_loop = bound_macros(T, BI, HW, ROWS, dv, issue, add)
 
     @T.macro
     def out_rows(O, ob, b_i, s_i, h0, heads, tx):
@@ -219,27 +268,9 @@ def build_bound(dqk: int, dv: int):
             T.ptx_wait_group(0)
             T.fence_proxy_async()
             T.sync_threads()
-            for kb in T.serial(n_blk):
-                if kb > 0:
-                    T.ptx_wait_group(0)
-                    T.fence_proxy_async()
-                    T.sync_threads()
-                if tx < 128:
-                    products(Q_shared, dO_shared, KVt, acc0, accp0, 0)
-                else:
-                    products(Q_shared, dO_shared, KVt, acc1, accp1, 1)
-                T.sync_threads()  # both halves have read the tile: the next block's copies run under the arithmetic
-                issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb + 1, n_valid, seq_kv, tx)
-                if tx < 128:
-                    bounds(acc0, accp0, bsum0, bs_s, lse0, c0, g0, d0, c2, 0)
-                else:
-                    bounds(acc1, accp1, bsum1, bs_s, lse1, c1, g1, d1, c2, 1)
-                T.sync_threads()
-                if tx < BI:
-                    if idx2[kb % 2, tx] >= 0:
-                        T.call_extern("handle", "smqa_octave_add", T.address_of(Hist[b_i, idx2[kb % 2, tx], 0]),
-                                      (bs_s[0, tx] + bs_s[1, tx]) * margin)
-                publish(idx2, jr, 1 - kb % 2, tx)
+            block_loop(Q_shared, dO_shared, KVt, KV, Indices, idx2, bs_s, nxt, jr,
+                       (acc0, accp0, bsum0, lse0, c0, g0, d0), (acc1, accp1, bsum1, lse1, c1, g1, d1), Hist, 1.0,
+                       b_i, s_i, n_blk, n_valid, seq_kv, c2, tx)
 
     return sparse_mqa_bwd_bound
 

@@ -14,7 +14,6 @@ import pytest
 from sparse_mqa_kernels.backward_ws import read_parity
 
 
-
 class Barrier:
     def __init__(self):
         self.phase = 0
