@@ -5,7 +5,7 @@ as one call beside today's and cuDNN's, with ``probe_wide_backward.py``'s main k
 row scales and the conversion (``octave``, ``scaleso``, ``convert``) are ``sparse_mqa_kernels.bwd_rows``' own.
 
     PYTHONUNBUFFERED=1 python benchmarks/probe_split_backward.py [anchor l512 h128] [--bi 32] [--b-only | --bound]
-    python benchmarks/probe_split_backward.py --pipeline [--cudnn] [--pipe-main 48/sender2] [--pipe-tail kernels]
+    python benchmarks/probe_split_backward.py --pipeline [--cudnn] [--pipe-main 48/ws] [--pipe-tail kernels]
     python benchmarks/probe_split_backward.py [--bound]   # no GPU: compile the kernels for sm_90a only
 
 Run on the H200 (BENCHMARKS.md, 2026-12-01 17:53 UTC): correct, and slower than today's call (kernel B waits on its
@@ -905,8 +905,8 @@ def main(argv=None):
     p.add_argument("--pipe-bound", default="lean4", choices=("lean4", "exact"), help="--pipeline's bound pass: "
                    "|dP| <= |dO_h| |V_j| (lean4) or dP itself (exact, with the kernels scales1 and convert)")
     p.add_argument("--cudnn", action="store_true", help="--pipeline: time cuDNN's backward in the same process")
-    p.add_argument("--pipe-main", default="48/sender2", choices=("48/sender", "48/sender2"),
-                   help="--pipeline's main kernel (probe_wide_backward.py's variant)")
+    p.add_argument("--pipe-main", default="48/ws", help="--pipeline's main kernel (probe_wide_backward.py's variant; "
+                   "48/ws: the tilelang backend's)")
     a = p.parse_args(argv)
     if a.bound or a.pipeline:
         names = ["prepw", *a.kernels.split(",")]

@@ -16,15 +16,9 @@ holds an int32 staging buffer. A variant ``BI/mode``:
 - ``line``: and sent with ``red.global.add.u32``, 32 lanes on one row's 128 bytes, by WG1 after each chunk;
 - ``batched``: as ``line``, chunk c + 1's products in flight (async wgmma, two accumulators) while c is sent, and
   each warp's rows sent by one helper (``smqa_send_rows``): its loads first, then its reds;
-- ``sender``: a third warpgroup sends (384 threads, registers moved with setmaxnreg: NREG_MMA / NREG_SEND). WG1
-  stages each chunk (each slot's KV row in the padding column, once a block); WG2 forms its rows' pointers once a
-  block, and per chunk loads its lines, frees the stage (mbarrier) and sends them (``smqa_send_block``). WG0 loads
-  the rows' scales with the rows.
-- ``sender2``: as ``sender``, each block's KV rows read from the indices during the block before (after its copies
-  are issued) and their scales after its products, so neither load waits in front of the block's copies.
-- ``sender4``: ``sender2`` with the query's q and dO copied by cp.async, all in flight at once (``query_tiles``'
-  "async"), where the plain loads keep two to four in flight: about ten round trips to memory a query, a per-query
-  cost that L512 feels four times more than the anchor; WG0's first rows and their scales are read meanwhile.
+- ``ws``: the ``tilelang`` backend's 64-head main kernel (``sparse_mqa_kernels.backward_ws``, 48 slots a block): a
+  third warpgroup sends, each block's rows and scales read during the block before, q and dO by cp.async. It grew
+  here as ``sender``, ``sender2`` and ``sender4`` (BENCHMARKS.md) and runs here beside the other variants.
 
 Send paths measured and dropped (BENCHMARKS.md, 2026-12-01 17:59-18:31 UTC, at commit 2f9abda): an unrolled ``line``
 without the memory clobber, a sender that forms row pointers every chunk, staging in an opaque helper, a 288 / 288 dq
@@ -42,16 +36,14 @@ from types import SimpleNamespace
 
 import torch
 
-from sparse_mqa_kernels import backward_ws
 from sparse_mqa_kernels.backward import PRELUDE as _BACKWARD_PRELUDE
-from sparse_mqa_kernels.backward_ws import read_parity
 from sparse_mqa_kernels.bench.ptx import PRELUDE_4B
 from sparse_mqa_testkit import contract
 
 C = 64  # dkv chunk columns
 
-# the 4-byte reductions and bulk-group waits come from the backward's and the benchmarks' preludes, the sender's
-# helpers from the 64-head backward's; below, the probes' own send helper
+# the 4-byte reductions and bulk-group waits come from the backward's and the benchmarks' preludes; below, the
+# probes' own send helper
 PRELUDE = _BACKWARD_PRELUDE + PRELUDE_4B + r"""
 // one warp sends N staged rows (row i at stage + i * W) of a 64-column chunk, two 128-byte lines each, to the
 // accumulator rows rows[i] (acc: row 0 at the chunk's first column; a negative row is skipped): loads first
@@ -73,20 +65,16 @@ __device__ __forceinline__ void smqa_send_rows(const int* stage, const int* rows
     }
   }
 }
-""" + backward_ws.PRELUDE
+"""
 
 
-def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256, copies: str = "sync"):
+def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256):
     """Two T.macro pieces the probes' kernels share: ``load_query`` puts one query's q and dO rows of a head group
     into shared memory, 16 bytes a thread, padded heads as zero (q only when ``dv`` is 0); ``zero_rows`` zeroes a
     [rows x dqk] tile (a KV block starts at zero, so a slot never gathered holds finite values).
-
-    ``copies``: "sync" loads into registers and stores (the compiler keeps two or four loads in flight, so a query's
-    136 KB take about ten round trips to memory); "async" issues every row as cp.async, all in flight at once, and
-    commits them as one group: the caller waits (``T.ptx_wait_group``) before its barrier."""
+    The loads go through registers, two to four in flight a thread (``backward_ws.query_tiles`` copies them by
+    cp.async, all at once)."""
     bf16 = T.bfloat16
-    if copies not in ("sync", "async"):
-        raise ValueError(f"copies is sync or async, got {copies!r}")
 
     def rows_loader(D: int):
         CHUNKS = HG * (D // 8)
@@ -97,19 +85,10 @@ def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256, copies: 
             for i in T.serial(T.ceildiv(CHUNKS, threads)):
                 c = i * threads + tx
                 if c < CHUNKS:
-                    if copies == "async":
-                        if h0 + c // (D // 8) < heads:
-                            T.ptx_cp_async(T.access_ptr(dst[c // (D // 8), (c % (D // 8)) * 8], "w", 8),
-                                           T.access_ptr(src[b_i, s_i, h0 + c // (D // 8), (c % (D // 8)) * 8], "r",
-                                                        8), 8)
-                        else:
-                            for v in T.vectorized(8):
-                                dst[c // (D // 8), (c % (D // 8)) * 8 + v] = T.cast(0, bf16)
-                    else:
-                        for v in T.vectorized(8):
-                            dst[c // (D // 8), (c % (D // 8)) * 8 + v] = T.if_then_else(
-                                h0 + c // (D // 8) < heads,
-                                src[b_i, s_i, h0 + c // (D // 8), (c % (D // 8)) * 8 + v], T.cast(0, bf16))
+                    for v in T.vectorized(8):
+                        dst[c // (D // 8), (c % (D // 8)) * 8 + v] = T.if_then_else(
+                            h0 + c // (D // 8) < heads,
+                            src[b_i, s_i, h0 + c // (D // 8), (c % (D // 8)) * 8 + v], T.cast(0, bf16))
 
         return load_rows
 
@@ -121,8 +100,6 @@ def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256, copies: 
         load_q(Q, Q_shared, b_i, s_i, h0, heads, tx)
         if dv > 0:
             load_do(dO, dO_shared, b_i, s_i, h0, heads, tx)
-        if copies == "async":
-            T.ptx_commit_group()
 
     @T.macro
     def zero_rows(tile, rows, tx):
@@ -137,9 +114,7 @@ def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256, copies: 
 def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     import tilelang.language as T
 
-    prefetch = mode in ("sender2", "sender4")  # sender, each block's rows and scales loaded during the block before
-    copies = "async" if mode == "sender4" else "sync"
-    reds = "none_t" if (mode == "none" and BI < 64) else "sender" if prefetch else mode
+    reds = "none_t" if (mode == "none" and BI < 64) else mode
     if BI not in (32, 48, 64) or mode not in MODES:
         raise ValueError(f"variant {BI}/{mode}: BI is 32, 48 or 64 and mode one of {', '.join(MODES)}")
     if BI == 64 and mode != "none":
@@ -152,19 +127,11 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
     ROWS_PER_PASS = 16
     PASSES = BI // ROWS_PER_PASS
     CHUNKS = dqk // 64
-    threads = 384 if reds == "sender" else 256
-    load_query, zero_rows = query_tiles(T, dqk, dv, HG, threads, copies)
+    threads = 256
+    load_query, zero_rows = query_tiles(T, dqk, dv, HG, threads)
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
-
-    @T.macro
-    def next_rows(rows, Indices, b_i, s_i, kb, n_valid, p):
-        # this thread's KV rows of block kb, -1 past the valid slots
-        for r in T.unroll(PASSES):
-            rows[r] = -1
-            if kb * BI + r * ROWS_PER_PASS + p // 8 < n_valid:
-                rows[r] = Indices[b_i, s_i, kb * BI + r * ROWS_PER_PASS + p // 8]
 
     @T.prim_func
     def wide_bwd(
@@ -208,59 +175,33 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
             lse_f = T.alloc_fragment([HG], f32)
             delta_f = T.alloc_fragment([HG], f32)
             idx_r = T.alloc_local([PASSES], i32)
-            idx_n = T.alloc_local([PASSES], i32)  # sender2: the next block's rows and scales
-            sc_n = T.alloc_local([PASSES], f32)
-            sc_r = T.alloc_local([PASSES], f32)  # sender: the rows' scales, loaded with the rows
             ok = T.alloc_var("bool")
             bar_k_ready = T.alloc_barrier(arrive_count=256)  # 128 cp.async + 128 plain arrivals (WG0)
             bar_k_free = T.alloc_barrier(arrive_count=256)  # both warpgroups done reading KV_shared
             bar_p = T.alloc_barrier(arrive_count=128)  # WG0: P and dS in shared memory
             bar_pds_free = T.alloc_barrier(arrive_count=128)  # WG1: done reading P and dS
-            bar_staged = T.alloc_barrier(arrive_count=128)  # sender: WG1 has staged a chunk
-            bar_read = T.alloc_barrier(arrive_count=128)  # sender: WG2 has read it
 
             tx = T.get_thread_binding()
             b_i, s_i, h0 = by, Rows[bx], bz * HG
             c2 = sm_scale * log2e
             n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
             n_blk = T.ceildiv(n_valid, BI)
-            if copies == "async":  # WG0's first rows and scales while the query's copies are in flight
-                if tx < 128:
-                    next_rows(idx_n, Indices, b_i, s_i, 0, n_valid, tx)
             load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
             zero_rows(KV_shared, BI, tx)
-            if copies == "async":
-                if tx < 128:
-                    for r in T.unroll(PASSES):
-                        sc_n[r] = RowScale[b_i, T.min(T.max(idx_n[r], 0), seq_kv - 1)]
-                T.ptx_wait_group(0)
             T.fence_proxy_async()
             T.sync_threads()
 
             if tx < 128:
-                if reds == "sender":
-                    T.set_max_nreg(NREG_MMA, 1)
                 for h in T.Parallel(HG):
                     lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, h0 + h], T.infinity(f32))
                     delta_f[h] = T.if_then_else(h0 + h < heads, Delta[b_i, s_i, h0 + h], 0.0)
                 T.clear(acc_dq0)
                 p = tx
-                if prefetch and copies == "sync":
-                    next_rows(idx_n, Indices, b_i, s_i, 0, n_valid, p)
-                    for r in T.unroll(PASSES):
-                        sc_n[r] = RowScale[b_i, T.min(T.max(idx_n[r], 0), seq_kv - 1)]
                 for kb in T.serial(n_blk):
-                    if prefetch:
-                        for r in T.unroll(PASSES):
-                            idx_r[r] = idx_n[r]
-                            sc_r[r] = sc_n[r]
-                    else:
-                        for r in T.unroll(PASSES):
-                            idx_r[r] = -1
-                            if kb * BI + r * ROWS_PER_PASS + p // 8 < n_valid:
-                                idx_r[r] = Indices[b_i, s_i, kb * BI + r * ROWS_PER_PASS + p // 8]
-                            if reds == "sender":
-                                sc_r[r] = RowScale[b_i, T.min(T.max(idx_r[r], 0), seq_kv - 1)]
+                    for r in T.unroll(PASSES):
+                        idx_r[r] = -1
+                        if kb * BI + r * ROWS_PER_PASS + p // 8 < n_valid:
+                            idx_r[r] = Indices[b_i, s_i, kb * BI + r * ROWS_PER_PASS + p // 8]
                     if kb > 0:
                         T.barrier_wait(bar_k_free, (kb - 1) & 1)
                     for r in T.unroll(PASSES):
@@ -268,9 +209,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                         ok = T.And(kb * BI + row < n_valid, T.And(idx_r[r] >= 0, idx_r[r] < seq_kv))
                         if p % 8 == 0:
                             idx_shared[row] = T.if_then_else(ok, idx_r[r], -1)
-                            if reds == "sender":
-                                scale_shared[row] = T.if_then_else(ok, sc_r[r], 0.0)
-                            elif reds != "none":
+                            if reds != "none":
                                 scale_shared[row] = T.if_then_else(ok, RowScale[b_i, idx_r[r]], 0.0)
                         if ok:
                             for u in T.serial(CHUNKS):
@@ -281,8 +220,6 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                                 )
                     T.cp_async_barrier_noinc(bar_k_ready)
                     T.barrier_arrive(bar_k_ready)
-                    if prefetch:
-                        next_rows(idx_n, Indices, b_i, s_i, kb + 1, n_valid, p)
                     T.barrier_wait(bar_k_ready, kb & 1)
                     T.wgmma_gemm(Q_shared, KV_shared, acc_s, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(dO_shared, KV_shared[:, 0:D], acc_dp, transpose_B=True, clear_accum=True)
@@ -291,9 +228,6 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                         acc_s[h, j] = T.if_then_else(idx_shared[j] >= 0, T.exp2(acc_s[h, j] * c2 - lse_f[h]), 0.0)
                     for h, j in T.Parallel(HG, BI):
                         acc_dp[h, j] = acc_s[h, j] * (acc_dp[h, j] - delta_f[h]) * sm_scale
-                    if prefetch:  # the next block's rows have had this block's products to arrive
-                        for r in T.unroll(PASSES):
-                            sc_n[r] = RowScale[b_i, T.min(T.max(idx_n[r], 0), seq_kv - 1)]
                     if kb > 0:
                         T.barrier_wait(bar_pds_free, (kb - 1) & 1)
                     T.copy(acc_s, P_shared)
@@ -305,9 +239,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                 for h, d in T.Parallel(HG, n0):
                     if h0 + h < heads:
                         dQ[b_i, s_i, h0 + h, d] = T.cast(acc_dq0[h, d], bf16)
-            elif tx < 256:
-                if reds == "sender":
-                    T.set_max_nreg(NREG_MMA, 1)
+            else:
                 T.clear(acc_dq1)
                 for kb in T.serial(n_blk):
                     T.barrier_wait(bar_p, kb & 1)
@@ -322,23 +254,6 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                             for j in T.Parallel(BI):
                                 scale_f[j] = scale_shared[j]
                     T.barrier_arrive(bar_k_free)
-                    if reds == "sender":
-                        # WG1 computes and stages each chunk (each slot's row in the padding column); WG2 sends it
-                        for c in CHS:
-                            T.gemm(Q_shared[:, c * C:(c + 1) * C], dS_shared, acc_kvt, transpose_A=True,
-                                   clear_accum=True)
-                            if c * C < D:
-                                T.gemm(dO_shared[:, c * C:(c + 1) * C], P_shared, acc_kvt, transpose_A=True)
-                            if c > 0:
-                                T.barrier_wait(bar_read, read_parity(kb, c, NCH))
-                            else:
-                                if kb > 0:
-                                    T.barrier_wait(bar_read, read_parity(kb, c, NCH))
-                            for d, j in T.Parallel(C, BI):
-                                stage[0, j, d] = T.cast(T.round(acc_kvt[d, j] * scale_f[j]), i32)
-                            if T.And(tx - 128 < BI, c == 0):
-                                stage[0, tx - 128, C] = row_j  # once a block: the sender reads it at chunk 0
-                            T.barrier_arrive(bar_staged)
                     if reds == "batched":
                         # chunk c + 1's products run on the tensor cores while chunk c is staged and sent
                         T.wgmma_gemm(Q_shared[:, 0:C], dS_shared, acc_kvt, transpose_A=True, clear_accum=True)
@@ -373,7 +288,7 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                                           T.address_of(stage[0, (tx - 128) // 32 * (BI // 4), 0]),
                                           T.address_of(idx1_shared[(tx - 128) // 32 * (BI // 4)]),
                                           T.address_of(Acc[b_i, 0, c * C]), tx % 32)
-                    for c in T.unroll(0 if reds in ("batched", "sender") else NCH):
+                    for c in T.unroll(0 if reds == "batched" else NCH):
                         if reds == "none":
                             if c * C < D:
                                 T.gemm(P_shared, dO_shared[:, c * C:(c + 1) * C], acc_kv, transpose_A=True,
@@ -430,30 +345,33 @@ def build_program(BI: int, mode: str, dqk=576, dv=512, n0=256):
                 if reds != "none":
                     if tx - 128 < BI:
                         T.call_extern("handle", "sparse_mqa_bulk_wait_all")
-            else:
-                if reds == "sender":
-                    T.set_max_nreg(NREG_SEND, 0)
-                    for kb in T.serial(n_blk):
-                        T.call_extern("handle", f"smqa_send_block<{BI // 4}, {W}, {dqk}, {C}, {NCH}, {C}>",
-                                      T.address_of(stage[0, (tx - 256) // 32 * (BI // 4), 0]),
-                                      T.address_of(Acc[b_i, 0, 0]), tx % 32, T.address_of(bar_staged[0]),
-                                      T.address_of(bar_read[0]), kb * NCH)
     return wide_bwd
 
 
-MODES = ("none", "stage", "bulk", "line", "batched", "sender", "sender2", "sender4")
-# sender's registers per thread (setmaxnreg): the launch gives each thread 168 (65536 / 384, rounded down to 8) and an
-# increase only takes what a decrease gave back, so 2 x NREG_MMA + NREG_SEND must stay within 3 x 168
-NREG_MMA, NREG_SEND = 224, 56
-assert 2 * NREG_MMA + NREG_SEND <= 3 * 168
-VARIANTS = ("64/none", "48/none", "48/stage", "48/bulk", "48/line", "32/bulk", "48/batched", "48/sender")
+MODES = ("none", "stage", "bulk", "line", "batched")
+VARIANTS = ("64/none", "48/none", "48/stage", "48/bulk", "48/line", "32/bulk", "48/batched", "48/ws")
 
 
 def compiled(variant: str, dims=(576, 512)):
+    """A variant's kernel, called as the probe's: (Q, KV, dO, Indices, TopkLen, Lse2, Delta, Rows, dQ, Keep, RowScale,
+    Acc, sm_scale). ``48/ws`` is the ``tilelang`` backend's main kernel (no Keep; its own argument order)."""
     import tilelang
 
     from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET
     bi, mode = variant.split("/")
+    if mode == "ws":
+        from sparse_mqa_kernels import backward, bwd_plan
+
+        if int(bi) != bwd_plan.TOPK_BLOCKS[64]:
+            raise ValueError(f"variant {variant}: the tilelang backend's main kernel takes {bwd_plan.TOPK_BLOCKS[64]} "
+                             "slots a block")
+        k = backward.compiled(bwd_plan.VariantKey(*dims, 64, int(bi)))
+
+        def ws(q, kv, go, idx, tl, lse2, delta, rows, dq, keep, scale, acc, sm):
+            k(q, kv, go, idx, tl, lse2, delta, rows, scale, dq, acc, sm)
+
+        ws.get_kernel_source = k.get_kernel_source
+        return ws
     return tilelang.compile(build_program(int(bi), mode, *dims), out_idx=None, target=TARGET,
                             execution_backend=EXECUTION_BACKEND)
 
@@ -534,7 +452,7 @@ def main(argv=None):
                 k(t.q, t.kv, t.go, t.idx, t.tl, t.lse2, t.delta, t.rows, dq, keep, row_scale, acc32, t.sm)
             ms = time_ms(call, a.iters)
             extra = ""
-            if v.split("/")[1] in ("bulk", "line", "batched", "sender", "sender2", "sender4"):
+            if v.split("/")[1] in ("bulk", "line", "batched", "ws"):
                 acc32.zero_()
                 call()
                 extra = f"; dkv against today's exact sum: {dkv_error(acc32.double() / divisor[..., None], t.exact)}"

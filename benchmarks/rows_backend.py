@@ -6,8 +6,9 @@ before it moved into ``sparse_mqa_kernels`` (the ``tilelang`` backend's 64-head 
 2. ``lean4``: each KV row's bound as two int64 sums U_j = sum P A_h, W_j = sum P B_h (each with a fixed point fixed
    by the sums of A_h and of B_h over the call);
 3. ``scales``: B_j = |V_j| U_j + W_j, F_j = 29 - ceil(log2 B_j), the row's scale 2**F_j and its inverse;
-4. ``48/sender2`` (``probe_wide_backward.py``): dq, and dkv rounded to int32 at each row's scale and summed with
-   integer reductions (wrap-around addition, exact because the final sum fits);
+4. the ``tilelang`` backend's main kernel (``backward_ws``; ``48/sender2`` in the probes when these were measured): dq,
+   and dkv rounded to int32 at each row's scale and summed with integer reductions (wrap-around addition, exact
+   because the final sum fits);
 5. ``convert``: dkv = bf16(int32 sum * 2**-F_j). d_sink as today's backward forms it (torch, fixed shapes).
 
 ``RowsModelBackend`` is design (a)'s arithmetic in NumPy on CPU (any dims): ``backward_model``'s kernel loop for the
@@ -52,7 +53,7 @@ def _probe(name: str):
 
 class RowsBackend(BackendBase):
     name = "tilelang-rows"
-    main = "48/sender2"  # probe_wide_backward.py's variant
+    main = "48/ws"  # probe_wide_backward.py's variant: the tilelang backend's main kernel
     device = "cuda"
     deterministic = True
     graph_safe = True  # no host reads of the data; every kernel and torch op on the current stream

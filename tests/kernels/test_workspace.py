@@ -159,3 +159,18 @@ def test_cudnn_adapter_bytes_bound_its_layout_code(case):
         assert m.peak == (0 if case.sink != "none" else 8 * case.H)
     assert cu.CudnnBackend().workspace_bytes(case) == cu.scratch_workspace_bytes(case.dims) + declared
     assert len(dropped) == (case.sink == "none")
+
+
+def test_row_scaled_backward_refuses_more_terms_than_int32_counts(host_code_on_cpu, monkeypatch):
+    """The 64-head path counts a KV row's bound terms in int32: a call where more terms could name one row
+    (S * L * head groups) is refused before any kernel runs, naming the way out; the single-role body takes it."""
+    from sparse_mqa_kernels.bwd_plan import BackwardConfig
+
+    case = Case(B=1, S=8, Skv=16, H=64, L=8, Dqk=576, Dv=512, seed=7)
+    t = _call(case).args
+    args = [t[k] for k in ("q", "kv", "out", "grad_out", "lse", "attn_sink", "indices")] + [case.scale]
+    monkeypatch.setattr(bwd_plan, "MAX_ROW_TERMS", 8 * 8 - 1)
+    with pytest.raises(ValueError, match=r"S \* L \* head groups = 8 \* 8 \* 1 = 64 .*single_role=True"):
+        backward.sparse_mqa_backward(*args)
+    dq, dkv, _ = backward.sparse_mqa_backward(*args, config=BackwardConfig(single_role=True))
+    assert dq.shape == t["q"].shape and dkv.shape == t["kv"].shape
