@@ -1,15 +1,15 @@
 """An executable NumPy model of the deterministic TileLang backward (CPU, any dims; backend ``tilelang-model``).
 
-It runs the algorithm of ``backward`` step for step on the same ``bwd_plan``: the same head groups
-(padding heads carry q = dO = Delta = 0 and lse = +inf), the same top-k blocks (padded slots invalid, never
-read), the same query chunks, the same numerics where they matter for the result (fp32 scores and GEMMs on
-bf16 operands, P and dS rounded to bf16 before the dq / dkv GEMMs, as the kernel's shared-memory tiles are)
-and the same accumulation scheme: 16- and 32-head groups round every dkv contribution to an int64 multiple of
-2**-F, F from the same cheap bound; 64-head groups to an int32 multiple of 2**-F_j, F_j from the bound pass's
-per-row bound counted in octaves (``row_scaled_dkv``); summed exactly, converted once. So the host plan and both
-fixed-point schemes are tested end to end in CPU CI, and a bound that let a row's int32 sum wrap (which the kernel
-would do silently) raises here. GEMM summation order inside a tile differs from the tensor cores', so results agree with
-the kernel to fp32 rounding, not to the bit.
+It runs the algorithm of ``backward`` step for step on the same ``bwd_plan``: the same head groups (padding heads
+carry q = dO = Delta = 0 and lse = +inf), the same top-k blocks (padded slots invalid, never read), the same query
+chunks, the same numerics where they matter for the result (fp32 scores and GEMMs on bf16 operands, P and dS rounded
+to bf16 before the dq / dkv GEMMs, as the kernel's shared-memory tiles are) and the same accumulation scheme: 16-
+and 32-head groups round every dkv contribution to an int64 multiple of 2**-F, F from the same cheap bound; 64-head
+groups to an int32 multiple of 2**-F_j, F_j from the bound pass's per-row bound counted in octaves
+(``row_scaled_dkv``); summed exactly, converted once. So the host plan and both fixed-point schemes are tested end
+to end in CPU CI, and a bound that let a row's int32 sum wrap (which the kernel would do silently) raises here. GEMM
+summation order inside a tile differs from the tensor cores', so results agree with the kernel to fp32 rounding, not
+to the bit.
 """
 
 from __future__ import annotations

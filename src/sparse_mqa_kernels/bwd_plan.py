@@ -39,7 +39,8 @@ from sparse_mqa_testkit import contract
 
 HEAD_GROUPS = (16, 32, 64)
 # top-k slots per block, by head group: the 16-head block's [16 x slots] score tile needs 32 slots to spread
-# over its 4 warps; the larger groups take 16 (fewer registers, no spills at 64 heads)
+# over its 4 warps; 32-head groups take 16; the 64-head main kernel 48 (its dkv^T chunks are [64 columns x 48 slots],
+# and 48 leaves shared memory for its int32 staging)
 TOPK_BLOCKS = {16: 32, 32: 16, 64: 48}
 # the single-role body at 64 heads (``single_role``): its tiles fit shared memory at 16 slots a block, not at 48
 SINGLE_ROLE_TOPK_BLOCK = 16
@@ -103,10 +104,11 @@ class VariantKey:
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    """What a caller may choose beyond the contract's arguments; every choice gives the same dq and dkv bits.
+    """What a caller may choose beyond the contract's arguments.
 
-    max_query_chunk: queries per launch (the workspace budget caps it too); single_role: run 64-head groups on
-    the single-role body as well (its int64 fixed point, one scale a call), to compare the two bodies.
+    max_query_chunk: queries per launch (the workspace budget caps it too; the same dq and dkv bits whatever the
+    chunks); single_role: run 64-head groups on the single-role body as well (its int64 fixed point, one scale a
+    call: dkv agrees with the default to rounding), to compare the two bodies.
     """
 
     max_query_chunk: int = MAX_QUERY_CHUNK
