@@ -10,8 +10,9 @@ element of its dkv term, summed over the group's heads:
 
     P_h (|sm_scale| max|q_h| |dP_h - Delta_h| + max|dO_h|) (1 + BOUND_MARGIN),
 
-with S and dP from the same products as the main kernel (so P and dP are the main kernel's before their bf16
-rounding, which the margin covers), and counts it in its KV row's octave: bucket b holds terms in
+with S and dP as the main kernel forms them (fp32 products of the same bf16 operands, summed on the tensor cores in
+another tile order: the last bits may differ), and P and dS before the main kernel rounds them to bf16 (2**-8 each:
+the margin covers that, and ROW_HEADROOM's two bits the rest), and counts it in its KV row's octave: bucket b holds terms in
 (2**(b - 128), 2**(b - 127)] (``smqa_octave_add``, one integer add). Integer adds need no fixed point, so nothing
 global has to be known first, and the counts are the same whatever the order. Its prologue forms Delta_h = out_h .
 dO_h, max|q_h| and max|dO_h| (Delta written for the main kernel and d_sink: no pass before this one).
