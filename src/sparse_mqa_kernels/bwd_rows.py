@@ -12,10 +12,10 @@ element of its dkv term, summed over the group's heads:
 
 with S and dP as the main kernel forms them (fp32 products of the same bf16 operands, summed on the tensor cores in
 another tile order: the last bits may differ), and P and dS before the main kernel rounds them to bf16 (2**-8 each:
-the margin covers that, and ROW_HEADROOM's two bits the rest), and counts it in its KV row's octave: bucket b holds terms in
-(2**(b - 128), 2**(b - 127)] (``smqa_octave_add``, one integer add). Integer adds need no fixed point, so nothing
-global has to be known first, and the counts are the same whatever the order. Its prologue forms Delta_h = out_h .
-dO_h, max|q_h| and max|dO_h| (Delta written for the main kernel and d_sink: no pass before this one).
+the margin covers that, and ROW_HEADROOM's two bits the rest), and counts it in its KV row's octave: bucket b holds
+terms in (2**(b - 128), 2**(b - 127)] (``smqa_octave_add``, one integer add). Integer adds need no fixed point, so
+nothing global has to be known first, and the counts are the same whatever the order. Its prologue forms Delta_h =
+out_h . dO_h, max|q_h| and max|dO_h| (Delta written for the main kernel and d_sink: no pass before this one).
 ``sparse_mqa_bwd_scales`` sums a row's counts times their octaves' upper ends in float64, in bucket order: B_j, at
 most twice the bound the terms sum to. ``sparse_mqa_bwd_convert`` turns the int32 sums into bf16 with one rounding:
 float64 holds acc * 2**-F_j exactly, and cvt.rn.bf16.f64 rounds it once, as the NumPy oracle does.
