@@ -246,33 +246,6 @@ def test_wide_probe_compiles_in_cudnns_shape():
     assert mod.compiled("48/ws").get_kernel_source() == backward.kernel_source(ANCHOR)
 
 
-def test_split_probe_compiles_its_two_kernels():
-    """``benchmarks/probe_split_backward.py`` (issue 26's split design): both kernels compile for sm_90a; kernel A runs
-    S and dP as 64 x 64 wgmma tiles and adds its row bounds only with red.add.u64 (integers: order-free); kernel B
-    computes dkv^T as 64 x 32 chunks and sends dkv only as .add.u32 bulk rows, one per warpgroup and slot; neither
-    uses a float atomic. The bound-only modes write neither dq nor P nor dS, and bound1 has no dP product (design
-    (a)'s own bound pass is ``test_design_a_kernels_compile``'s)."""
-    mod = benchmark_module("probe_split_backward")
-    bodies = {}
-    for which in ("a", "b"):
-        src = mod.compiled(which, 32).get_kernel_source()
-        bodies[which] = src[src.index('extern "C" __global__'):]
-        assert "atomicAdd" not in bodies[which] and "AtomicAdd" not in bodies[which]
-    shapes = set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", bodies["a"]))
-    assert ("64", "64") in shapes, shapes
-    assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+)\(\(", bodies["a"])) == {"smqa_red_u64"}
-    assert set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", bodies["b"])) == {("64", "32")}
-    assert set(re.findall(r"(sparse_mqa_bulk_add_\w+)\(", bodies["b"])) == {"sparse_mqa_bulk_add_u32"}
-    assert len(re.findall(r"sparse_mqa_bulk_add_u32\(", bodies["b"])) == 2
-    # --bound: kernel A reduced to the row bounds (design (a)'s prep pass): no dq, P or dS written; bound1 runs S only
-    for mode, n_products in (("bound2", 2), ("bound1", 1)):
-        src = mod.compiled(mode).get_kernel_source()
-        body = src[src.index('extern "C" __global__'):]
-        assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+)\(\(", body)) == {"smqa_red_u64"}, mode
-        assert not re.search(r"\b(dQ|Pout|dSout)\[", body), mode
-        assert len(set(re.findall(r"wgmma_ss<[^>]*>\([^;]*acc_(s|dp)\b", body))) == n_products, mode
-
-
 def test_design_a_kernels_compile():
     """Design (a) of issue 26 as ``benchmarks/rows_backend.py`` runs it: ``prepw`` sums each (query, head) in one
     warp (no atomics); ``lean4`` runs S^T alone as [64 slots x 64 heads] tiles, one accumulator per warpgroup, and adds
