@@ -57,7 +57,7 @@ from sparse_mqa_testkit import contract
 from sparse_mqa_testkit.backends.validate import check_backward_args
 
 from . import backward_ws, bwd_plan, bwd_prep, bwd_rows
-from .target import EXECUTION_BACKEND, TARGET
+from .target import EXECUTION_BACKEND, SMEM_LIMIT, TARGET
 
 THREADS = {64: 256, 32: 128, 16: 128}  # single-role body, per head group
 STAGE_ROWS = 4  # single-role body: KV rows per staging round, double-buffered (the block shares its two buffers)
@@ -108,7 +108,7 @@ def _single_role_program(key: bwd_plan.VariantKey):
     threads = THREADS[HG]
     # q, dO, the KV block, P, dS, the rope tail's q and KV, the indices, the int64 staging
     smem = (2 * HG * D + BI * D + 2 * HG * BI + HG * TA + BI * TA) * 2 + BI * 4 + 2 * R * dqk * 8
-    assert smem <= backward_ws.SMEM_LIMIT, f"{key}: {smem} bytes of shared memory, over an sm_90 block's"
+    assert smem <= SMEM_LIMIT, f"{key}: {smem} bytes of shared memory, over the {SMEM_LIMIT} an sm_90 block may use"
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32, i64 = T.bfloat16, T.float32, T.int32, T.int64
     log2e = contract.LOG2E
@@ -331,68 +331,66 @@ def sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
     sm_scale = float(sm_scale)
     plan = bwd_plan.make_plan(dims.B, dims.S, dims.Skv, dims.H, dims.L, dims.Dqk, dims.Dv,
                               max_query_chunk=config.max_query_chunk)
-    if plan.row_scaled(config.single_role):
-        if plan.row_terms() > bwd_plan.MAX_ROW_TERMS:
-            raise ValueError(f"S * L * head groups = {dims.S} * {dims.L} * {plan.n_groups} = {plan.row_terms()} terms "
-                             f"may name one KV row, over the {bwd_plan.MAX_ROW_TERMS} the 64-head backward counts "
-                             "in int32; pass config=BackwardConfig(single_role=True) (int64 sums)")
-        return _row_scaled_backward(plan, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length)
-    kernel = compiled(plan.key(config.single_role))
+    row_scaled = plan.row_scaled(config.single_role)
+    if row_scaled and plan.row_terms() > bwd_plan.MAX_ROW_TERMS:
+        raise ValueError(f"S * L * head groups = {dims.S} * {dims.L} * {plan.n_groups} = {plan.row_terms()} terms "
+                         f"may name one KV row, over the {bwd_plan.MAX_ROW_TERMS} the 64-head backward counts "
+                         "in int32; pass config=BackwardConfig(single_role=True) (int64 sums)")
     dev = q.device
     q, kv, out, grad_out, lse, indices = (t.contiguous() for t in (q, kv, out, grad_out, lse, indices))
     with torch.cuda.device(dev):
-        if topk_length is None:
-            tl = torch.full((dims.B, dims.S), dims.L, dtype=torch.int32, device=dev)
-        else:
-            tl = topk_length.contiguous()
-        delta, fx, F = _prep(q, kv, out, grad_out, lse, attn_sink, indices, tl, sm_scale, dims.Dv)
-        lse2 = contract.lse_to_base2(lse, attn_sink).contiguous()
-        acc = torch.zeros((dims.B, dims.Skv, dims.Dqk), dtype=torch.int64, device=dev)
-        dq = torch.empty((dims.B, dims.S, dims.H, dims.Dqk), dtype=torch.bfloat16, device=dev)
-        partials = []
-        ps = contract.sink_probability(lse, attn_sink) if attn_sink is not None else None
-        for chunk in plan.chunks():
-            rows = torch.arange(chunk.start, chunk.stop, dtype=torch.int32, device=dev)
-            kernel(q, kv, grad_out, indices, tl, lse2, delta, rows, fx, dq, acc, sm_scale)
-            if ps is not None:
-                partials.append((ps[:, chunk.start:chunk.stop] * delta[:, chunk.start:chunk.stop]).sum((0, 1)))
-        dkv = dkv_from_fixed_point(acc, F)
-        d_sink = None
-        if ps is not None:
-            d_sink = -torch.stack(partials).sum(0)  # fixed order over chunks
-    return dq, dkv, d_sink
-
-
-def _row_scaled_backward(plan, q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, topk_length):
-    """The 64-head path (module docstring): bound pass (Delta too) per query chunk, row scales, main kernel per
-    chunk, conversion. Every kernel on the current stream, no host read of the data."""
-    bound, scales, convert = bwd_rows.compiled(plan.Dqk, plan.Dv)
-    kernel = compiled(plan.key())
-    B, S, Skv, H, Dqk = plan.B, plan.S, plan.Skv, plan.H, plan.Dqk
-    dev = q.device
-    q, kv, out, grad_out, lse, indices = (t.contiguous() for t in (q, kv, out, grad_out, lse, indices))
-    with torch.cuda.device(dev):
-        tl = (torch.full((B, S), plan.L, dtype=torch.int32, device=dev) if topk_length is None
+        tl = (torch.full((dims.B, dims.S), dims.L, dtype=torch.int32, device=dev) if topk_length is None
               else topk_length.contiguous())
         lse2 = contract.lse_to_base2(lse, attn_sink).contiguous()
-        delta = torch.empty((B, S, H), dtype=torch.float32, device=dev)
-        hist = torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device=dev)
-        chunks = [torch.arange(c.start, c.stop, dtype=torch.int32, device=dev) for c in plan.chunks()]
-        for rows in chunks:
-            bound(q, out, grad_out, kv, indices, tl, lse2, rows, delta, hist, sm_scale)
-        scale = torch.empty((B, Skv), dtype=torch.float32, device=dev)
-        inv = torch.empty_like(scale)
-        scales(hist, scale, inv)
-        del hist
-        acc = torch.zeros((B, Skv, Dqk), dtype=torch.int32, device=dev)
-        dq = torch.empty((B, S, H, Dqk), dtype=torch.bfloat16, device=dev)
-        for rows in chunks:
-            kernel(q, kv, grad_out, indices, tl, lse2, delta, rows, scale, dq, acc, sm_scale)
-        dkv = torch.empty((B, Skv, Dqk), dtype=torch.bfloat16, device=dev)
-        convert(acc, inv, dkv)
+        args = (q, kv, out, grad_out, lse, attn_sink, indices, tl, lse2, sm_scale)
+        dq, dkv, delta = _row_scaled(plan, *args) if row_scaled else _one_scale(plan, config, *args)
         d_sink = None
         if attn_sink is not None:
             ps = contract.sink_probability(lse, attn_sink)
             d_sink = -torch.stack([(ps[:, c.start:c.stop] * delta[:, c.start:c.stop]).sum((0, 1))
-                                   for c in plan.chunks()]).sum(0)  # fixed order over chunks
+                                   for c in plan.chunks()]).sum(0)  # summed per launch, then in launch order
     return dq, dkv, d_sink
+
+
+def _launch_rows(plan, dev):
+    """Each query chunk's row ids, made as its launch comes (``BwdPlan.workspace_bytes``: 4 bytes a query of one
+    chunk)."""
+    for c in plan.chunks():
+        yield torch.arange(c.start, c.stop, dtype=torch.int32, device=dev)
+
+
+def _one_scale(plan, config, q, kv, out, grad_out, lse, attn_sink, indices, tl, lse2, sm_scale):
+    """The single-role body: Delta and the call's fixed point (``_prep``), the kernel per query chunk, int64 sums at
+    2**-F converted in place. Returns dq, dkv, Delta."""
+    kernel = compiled(plan.key(config.single_role))
+    delta, fx, F = _prep(q, kv, out, grad_out, lse, attn_sink, indices, tl, sm_scale, plan.Dv)
+    acc = torch.zeros((plan.B, plan.Skv, plan.Dqk), dtype=torch.int64, device=q.device)
+    dq = torch.empty((plan.B, plan.S, plan.H, plan.Dqk), dtype=torch.bfloat16, device=q.device)
+    for rows in _launch_rows(plan, q.device):
+        kernel(q, kv, grad_out, indices, tl, lse2, delta, rows, fx, dq, acc, sm_scale)
+    return dq, dkv_from_fixed_point(acc, F), delta
+
+
+def _row_scaled(plan, q, kv, out, grad_out, lse, attn_sink, indices, tl, lse2, sm_scale):
+    """The 64-head path (module docstring): the bound pass (Delta too) per query chunk, the row scales, the main
+    kernel per chunk, the conversion. Every kernel on the current stream, no host read of the data. Returns dq, dkv,
+    Delta."""
+    bound, scales, convert = bwd_rows.compiled(plan.Dqk, plan.Dv)
+    kernel = compiled(plan.key())
+    B, S, Skv, H, Dqk = plan.B, plan.S, plan.Skv, plan.H, plan.Dqk
+    dev = q.device
+    delta = torch.empty((B, S, H), dtype=torch.float32, device=dev)
+    hist = torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device=dev)
+    for rows in _launch_rows(plan, dev):
+        bound(q, out, grad_out, kv, indices, tl, lse2, rows, delta, hist, sm_scale)
+    scale = torch.empty((B, Skv), dtype=torch.float32, device=dev)
+    inv = torch.empty_like(scale)
+    scales(hist, scale, inv)
+    del hist
+    acc = torch.zeros((B, Skv, Dqk), dtype=torch.int32, device=dev)
+    dq = torch.empty((B, S, H, Dqk), dtype=torch.bfloat16, device=dev)
+    for rows in _launch_rows(plan, dev):
+        kernel(q, kv, grad_out, indices, tl, lse2, delta, rows, scale, dq, acc, sm_scale)
+    dkv = torch.empty((B, Skv, Dqk), dtype=torch.bfloat16, device=dev)
+    convert(acc, inv, dkv)
+    return dq, dkv, delta

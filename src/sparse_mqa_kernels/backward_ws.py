@@ -21,6 +21,8 @@ warpgroups with setmaxnreg (``NREG``).
 
 from sparse_mqa_testkit import contract
 
+from .target import SMEM_LIMIT
+
 THREADS = 384
 C = 64  # dkv columns a chunk
 N0 = 256  # dq columns WG0 computes; WG1 has [N0, Dqk)
@@ -29,7 +31,6 @@ ROWS_PER_PASS = 16  # WG0's gather: 8 threads a KV row, 16 bytes each
 # rounded down to 8), and an increase only takes what a decrease in the same block gave back
 NREG = (224, 224, 56)
 assert sum(NREG) == 3 * 168
-SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90
 
 PRELUDE = r"""
 __device__ __forceinline__ void smqa_mbar_wait(void* bar, int parity) {

@@ -2,6 +2,7 @@
 machine without a GPU, where the compile checks and ``precompile`` run."""
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory one block may use on sm_90
 # How the compiled kernels are called: TVM-FFI launches on torch's current stream and allocates nothing (out_idx is
 # None), which the streams, graph and allocations checks rely on. Pinned so that TILELANG_EXECUTION_BACKEND cannot
 # swap in another launcher; "auto" resolves to the same one, and TileLang keys its cache on the resolved name, so
