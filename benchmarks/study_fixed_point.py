@@ -57,14 +57,13 @@ NAMES = ("q", "kv", "out", "grad_out", "lse", "attn_sink", "indices", "sm_scale"
 def row_bound(blk: bm.Block, kv, d_v: int, sm_scale: float, dp: str = "norms") -> np.ndarray:
     """Per valid slot of a block, the bound on |each element| of its dkv contribution (float32, summed over heads).
     dp="norms" bounds |dP| by |dO|_2 |v|_2 (a prep pass with one product, QK^T); "exact" uses dP = dO . v itself (a
-    second product in the prep pass, dO V^T)."""
-    v = kv[blk.rows][:, :d_v].astype(np.float32)  # [n, Dv]
+    second product, dO V^T: the tilelang backend's bound pass, ``backward_model.slot_bounds``, without its margin)."""
     if dp == "exact":
-        dS = np.abs(np.einsum("nhd,nd->nh", blk.grad_out, v).astype(np.float32) - blk.delta)
-    else:
-        vnorm = np.sqrt((v * v).sum(-1, dtype=np.float32))  # [n]
-        gnorm = np.sqrt((blk.grad_out * blk.grad_out).sum(-1, dtype=np.float32))  # [n, hg]
-        dS = gnorm * vnorm[:, None] + np.abs(blk.delta)
+        return bm.slot_bounds(blk, kv, d_v, sm_scale, margin=0.0)
+    v = kv[blk.rows][:, :d_v].astype(np.float32)  # [n, Dv]
+    vnorm = np.sqrt((v * v).sum(-1, dtype=np.float32))  # [n]
+    gnorm = np.sqrt((blk.grad_out * blk.grad_out).sum(-1, dtype=np.float32))  # [n, hg]
+    dS = gnorm * vnorm[:, None] + np.abs(blk.delta)
     qmax, gmax = np.abs(blk.q).max(-1), np.abs(blk.grad_out).max(-1)
     per_head = blk.p * (np.float32(abs(sm_scale)) * dS * qmax + gmax)
     return per_head.sum(-1, dtype=np.float32)

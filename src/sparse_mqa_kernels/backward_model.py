@@ -171,14 +171,14 @@ def blocks(q, kv, grad_out, lse, attn_sink, indices, sm_scale, topk_length, prep
             dq[:, s0:s1, hs] = dq_acc
 
 
-def slot_bounds(blk: Block, kv, d_v: int, sm_scale: float) -> np.ndarray:
+def slot_bounds(blk: Block, kv, d_v: int, sm_scale: float, margin: float = bwd_plan.BOUND_MARGIN) -> np.ndarray:
     """Per valid slot of a block, the bound pass's bound on |each element| of its dkv term: sum over the group's heads
-    of P (|sm_scale| max|q| |dP - Delta| + max|dO|), dP = dO . v_j, times 1 + BOUND_MARGIN (float32)."""
+    of P (|sm_scale| max|q| |dP - Delta| + max|dO|), dP = dO . v_j, times 1 + ``margin`` (float32)."""
     v = np.asarray(kv, dtype=np.float32)[blk.rows][:, :d_v]
     with np.errstate(over="ignore", invalid="ignore"):
         dp = np.abs(np.einsum("nhd,nd->nh", blk.grad_out, v).astype(np.float32) - blk.delta)
         per_head = blk.p * (np.float32(abs(sm_scale)) * dp * np.abs(blk.q).max(-1) + np.abs(blk.grad_out).max(-1))
-        return per_head.sum(-1, dtype=np.float32) * np.float32(1.0 + bwd_plan.BOUND_MARGIN)
+        return per_head.sum(-1, dtype=np.float32) * np.float32(1.0 + margin)
 
 
 def row_scaled_dkv(blks: list, kv, d_v: int, sm_scale: float, terms=None):
