@@ -33,7 +33,8 @@ from .target import EXECUTION_BACKEND, TARGET
 HG, HW = 64, 32  # heads a block, heads a warpgroup
 THREADS = 256
 ROWS = THREADS // 8  # KV rows a gather pass: 8 threads a row, 16 bytes each
-SCALE_ROWS = 128  # KV rows a block of the row-scale kernel, one thread each
+SCALE_ROWS = 32  # KV rows a block of the row-scale kernel, one thread each
+SCALE_THREADS = 512  # the threads that copy a block's counts
 CONVERT_ROWS = 8  # KV rows a block of the conversion
 
 PRELUDE = r"""
@@ -279,12 +280,14 @@ def build_bound(dqk: int, dv: int):
 def build_scales():
     """``sparse_mqa_bwd_scales``: a row's bound from its octave counts, B_j = sum_b count_b 2**(b - 127) in float64,
     buckets in order (one thread a row: a fixed order), then F_j, the row's scale 2**F_j and its inverse (0 and 1 for
-    a row no valid slot names; a non-finite term makes B_j infinite and F_j its lower clamp)."""
+    a row no valid slot names; a non-finite term makes B_j infinite and F_j its lower clamp). A block's threads first
+    copy its rows' counts into shared memory together, so no thread waits on its row's 256 scattered loads in turn."""
     import tilelang.language as T
 
     batch, seq_kv = T.dynamic("batch, seq_kv")
     f32, f64, i32 = T.float32, T.float64, T.int32
     n = bwd_plan.OCTAVES
+    R = SCALE_ROWS
 
     @T.prim_func
     def sparse_mqa_bwd_scales(
@@ -292,20 +295,28 @@ def build_scales():
         Scale: T.Tensor([batch, seq_kv], f32),
         Inv: T.Tensor([batch, seq_kv], f32),
     ):
-        with T.Kernel(T.ceildiv(seq_kv, SCALE_ROWS), batch, threads=SCALE_ROWS) as (bx, by):
+        with T.Kernel(T.ceildiv(seq_kv, R), batch, threads=SCALE_THREADS) as (bx, by):
+            counts = T.alloc_shared([R, n], i32)  # a row's stride, 257 words, puts the R threads in distinct banks
             bnd = T.alloc_var(f64)
-            j = bx * SCALE_ROWS + T.get_thread_binding()
-            jj = T.min(j, seq_kv - 1)
-            bnd = 0.0
-            for b in T.serial(n - 1):
-                bnd += T.cast(Hist[by, jj, b + 1], f64) * T.exp2(T.cast(b - 126, f64))
-            if Hist[by, jj, n - 1] > 0:
-                bnd = T.infinity(f64)
-            f = T.max(T.min(float(bwd_plan.ROW_HEADROOM) - T.ceil(T.log2(bnd)), float(bwd_plan.ROW_F_MAX)),
-                      float(bwd_plan.ROW_F_MIN))
-            if j < seq_kv:
-                Scale[by, j] = T.cast(T.if_then_else(bnd > 0.0, T.exp2(f), 0.0), f32)
-                Inv[by, j] = T.cast(T.if_then_else(bnd > 0.0, T.exp2(-f), 1.0), f32)
+            up = T.alloc_var(f64)
+            tx = T.get_thread_binding()
+            for r, b in T.Parallel(R, n):
+                counts[r, b] = Hist[by, T.min(bx * R + r, seq_kv - 1), b]
+            T.sync_threads()
+            if tx < R:
+                j = bx * R + tx
+                bnd = 0.0
+                up = T.exp2(T.cast(-126, f64))  # bucket 1's upper end; doubling keeps every power of two exact
+                for b in T.serial(n - 1):
+                    bnd += T.cast(counts[tx, b + 1], f64) * up
+                    up = up * 2.0
+                if counts[tx, n - 1] > 0:
+                    bnd = T.infinity(f64)
+                f = T.max(T.min(float(bwd_plan.ROW_HEADROOM) - T.ceil(T.log2(bnd)), float(bwd_plan.ROW_F_MAX)),
+                          float(bwd_plan.ROW_F_MIN))
+                if j < seq_kv:
+                    Scale[by, j] = T.cast(T.if_then_else(bnd > 0.0, T.exp2(f), 0.0), f32)
+                    Inv[by, j] = T.cast(T.if_then_else(bnd > 0.0, T.exp2(-f), 1.0), f32)
 
     return sparse_mqa_bwd_scales
 
