@@ -129,9 +129,7 @@ def replay_command(backend_name: str, tool: str, case) -> str:
 CASE_LIMIT_ENV = "SMQA_SANITIZE_CASE_LIMIT"
 TOOL_LIMIT_ENV = "SMQA_SANITIZE_TOOL_LIMIT"
 BUDGET_ENV = "SMQA_SANITIZE_BUDGET"
-# 0: racecheck's deadlock timer off (module docstring); the tilelang 64-head backward's one-block case took 12 s
-# with it off, 51 s and 33 false deadlock reports at 1 s, and past 100 s at 30 s (BENCHMARKS.md, 2026-12-02)
-RACECHECK_DEADLOCK_MS = 0
+RACECHECK_DEADLOCK_MS = 0  # racecheck's deadlock timer off (module docstring; what it cost: BENCHMARKS.md)
 
 
 def tool_cases(tool: str, cases) -> list:
