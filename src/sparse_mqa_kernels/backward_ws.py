@@ -124,8 +124,28 @@ def query_tiles(T, dqk: int, dv: int, HG: int, threads: int):
     return load_query
 
 
-def build_program(key):
-    """TileLang prim_func for a 64-head ``bwd_plan.VariantKey``: dq, and dkv as int32 sums at each KV row's scale."""
+TRACE_PRELUDE = r"""
+__device__ __forceinline__ long long smqa_now() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ long long smqa_smid() {
+  unsigned int s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+__device__ __forceinline__ void smqa_put(void* dst, long long v) { *static_cast<long long*>(dst) = v; }
+"""
+# trace=True: where each block's time goes (``benchmarks/trace_backward.py``); slot k of the int64 stamps a block
+# leaves in head 0's dq row, which that build does not store
+TRACE_SLOTS = ("start", "query_ready", "first_block", "wg0_loop_end", "wg0_end", "wg1_first", "wg1_loop_end",
+               "wg1_end", "sender_first", "sender_end", "smid", "blocks")
+
+
+def build_program(key, trace: bool = False):
+    """TileLang prim_func for a 64-head ``bwd_plan.VariantKey``: dq, and dkv as int32 sums at each KV row's scale.
+    ``trace``: a timing probe's build (``TRACE_SLOTS``), never the backend's."""
     import tilelang.language as T
 
     dqk, dv, HG, BI = key.dqk, key.dv, key.head_group, key.topk_block
@@ -169,7 +189,8 @@ def build_program(key):
         sm_scale: f32,
     ):
         groups = T.ceildiv(heads, HG)
-        with T.Kernel(n_rows, batch, groups, threads=THREADS, prelude=PRELUDE) as (bx, by, bz):
+        with T.Kernel(n_rows, batch, groups, threads=THREADS, prelude=PRELUDE + (TRACE_PRELUDE if trace else "")) \
+                as (bx, by, bz):
             Q_shared = T.alloc_shared([HG, dqk], bf16)
             dO_shared = T.alloc_shared([HG, D], bf16)
             KV_shared = T.alloc_shared([BI, dqk], bf16)
@@ -198,6 +219,9 @@ def build_program(key):
             bar_pds_free = T.alloc_barrier(arrive_count=128)  # WG1: done reading P and dS
             bar_staged = T.alloc_barrier(arrive_count=128)  # WG1 has staged a chunk
             bar_read = T.alloc_barrier(arrive_count=128)  # the sender has read it
+            if trace:
+                stamps = T.alloc_local([len(TRACE_SLOTS)], T.int64)
+                stamps[0] = T.call_extern("int64", "smqa_now")
 
             tx = T.get_thread_binding()
             b_i, s_i, h0 = by, Rows[bx], bz * HG
@@ -220,6 +244,8 @@ def build_program(key):
             T.ptx_wait_group(0)
             T.fence_proxy_async()
             T.sync_threads()
+            if trace:
+                stamps[1] = T.call_extern("int64", "smqa_now")
 
             if tx < 128:
                 T.set_max_nreg(NREG[0], 1)
@@ -252,6 +278,9 @@ def build_program(key):
                     T.barrier_arrive(bar_k_ready)
                     next_rows(idx_n, Indices, b_i, s_i, kb + 1, n_valid, p)
                     T.barrier_wait(bar_k_ready, kb & 1)
+                    if trace:
+                        if kb == 0:
+                            stamps[2] = T.call_extern("int64", "smqa_now")
                     T.wgmma_gemm(Q_shared, KV_shared, acc_s, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(dO_shared, KV_shared[:, 0:D], acc_dp, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
@@ -270,14 +299,26 @@ def build_program(key):
                     T.barrier_arrive(bar_p)
                     T.gemm(dS_shared, KV_shared[:, 0:N0], acc_dq0)
                     T.barrier_arrive(bar_k_free)
+                if trace:
+                    stamps[3] = T.call_extern("int64", "smqa_now")
                 for h, d in T.Parallel(HG, N0):
-                    if h0 + h < heads:
+                    if T.And(h0 + h < heads, T.Or(not trace, h > 0)):
                         dQ[b_i, s_i, h0 + h, d] = T.cast(acc_dq0[h, d], bf16)
+                if trace:
+                    stamps[4] = T.call_extern("int64", "smqa_now")
+                    stamps[10] = T.call_extern("int64", "smqa_smid")
+                    stamps[11] = T.cast(n_blk, T.int64)
+                    if tx == 0:
+                        for k in (0, 1, 2, 3, 4, 10, 11):
+                            T.call_extern("handle", "smqa_put", T.address_of(dQ[b_i, s_i, h0, 4 * k]), stamps[k])
             elif tx < 256:
                 T.set_max_nreg(NREG[1], 1)
                 T.clear(acc_dq1)
                 for kb in T.serial(n_blk):
                     T.barrier_wait(bar_p, kb & 1)
+                    if trace:
+                        if kb == 0:
+                            stamps[5] = T.call_extern("int64", "smqa_now")
                     T.gemm(dS_shared, KV_shared[:, N0:dqk], acc_dq1)
                     # this block's rows and scales, read before WG0 may gather the next block
                     if tx - 128 < BI:
@@ -301,9 +342,16 @@ def build_program(key):
                             stage[0, tx - 128, C] = row_j  # once a block: the sender reads it at chunk 0
                         T.barrier_arrive(bar_staged)
                     T.barrier_arrive(bar_pds_free)
+                if trace:
+                    stamps[6] = T.call_extern("int64", "smqa_now")
                 for h, d in T.Parallel(HG, N1):
-                    if h0 + h < heads:
+                    if T.And(h0 + h < heads, T.Or(not trace, h > 0)):
                         dQ[b_i, s_i, h0 + h, N0 + d] = T.cast(acc_dq1[h, d], bf16)
+                if trace:
+                    stamps[7] = T.call_extern("int64", "smqa_now")
+                    if tx == 128:
+                        for k in (5, 6, 7):
+                            T.call_extern("handle", "smqa_put", T.address_of(dQ[b_i, s_i, h0, 4 * k]), stamps[k])
             else:
                 T.set_max_nreg(NREG[2], 0)
                 for kb in T.serial(n_blk):
@@ -311,5 +359,13 @@ def build_program(key):
                                   T.address_of(stage[0, (tx - 256) // 32 * (BI // 4), 0]),
                                   T.address_of(Acc[b_i, 0, 0]), tx % 32, T.address_of(bar_staged[0]),
                                   T.address_of(bar_read[0]), kb * NCH)
+                    if trace:
+                        if kb == 0:
+                            stamps[8] = T.call_extern("int64", "smqa_now")
+                if trace:
+                    stamps[9] = T.call_extern("int64", "smqa_now")
+                    if tx == 256:
+                        for k in (8, 9):
+                            T.call_extern("handle", "smqa_put", T.address_of(dQ[b_i, s_i, h0, 4 * k]), stamps[k])
 
     return sparse_mqa_bwd_ws

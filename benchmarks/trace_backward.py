@@ -1,0 +1,119 @@
+"""Where the 64-head main kernel's time goes, block by block: a build of ``sparse_mqa_bwd_ws`` that stamps
+``%globaltimer`` at fixed points (``backward_ws.TRACE_SLOTS``) runs on one call's inputs, and each thread block's
+stamps are summarised: its prologue (q and dO in shared memory), the first block's gather, when WG1 and the sender
+start (the pipeline's fill), the drain after WG0's last block, the gaps between blocks on one SM, and the last wave.
+
+    python benchmarks/trace_backward.py anchor l512      # on a GPU; the production bound pass and row scales first
+
+The traced build differs from the backend's only by the stamps, and by not storing head 0's dq row (where the stamps
+go); both kernels are timed first, so what the stamps cost is seen. The backend's build has no stamps
+(tests/kernels/test_backward_compile.py).
+"""
+import sys
+
+import numpy as np
+
+from sparse_mqa_kernels.backward_ws import TRACE_SLOTS as SLOTS
+
+
+def summarise(stamps: np.ndarray) -> dict:
+    """[blocks, len(SLOTS)] int64 stamps (ns) -> medians (µs) of each phase and the kernel's shape over the SMs."""
+    t = {name: stamps[:, i].astype(np.float64) for i, name in enumerate(SLOTS)}
+    end = np.maximum.reduce([t["wg0_end"], t["wg1_end"], t["sender_end"]])
+    us = 1e-3
+    blocks = np.maximum(t["blocks"], 1)
+    phases = {
+        "block": end - t["start"],
+        "prologue (q, dO landed)": t["query_ready"] - t["start"],
+        "first gather after that": t["first_block"] - t["query_ready"],
+        "fill (WG1's first product)": t["wg1_first"] - t["start"],
+        "WG0 loop, per top-k block": (t["wg0_loop_end"] - t["first_block"]) / blocks,
+        "drain (end after WG0's loop)": end - t["wg0_loop_end"],
+        "sender after WG1's loop": t["sender_end"] - t["wg1_loop_end"],
+        "WG0 dq store": t["wg0_end"] - t["wg0_loop_end"],
+        "WG1 dq store": t["wg1_end"] - t["wg1_loop_end"],
+    }
+    out = {k: float(np.median(v)) * us for k, v in phases.items()}
+    gaps, per_sm, sm_done = [], [], []
+    for sm in np.unique(t["smid"]):
+        on = np.flatnonzero(t["smid"] == sm)
+        on = on[np.argsort(t["start"][on])]
+        per_sm.append(len(on))
+        gaps += list(t["start"][on[1:]] - end[on[:-1]])
+        sm_done.append(end[on[-1]])
+    span0, span1 = t["start"].min(), end.max()
+    idle_from = np.sort(np.asarray(sm_done))  # when each SM finished its last block
+    out.update({
+        "kernel span": (span1 - span0) * us,
+        "gap between blocks on an SM": float(np.median(gaps)) * us if gaps else 0.0,
+        "SMs": len(per_sm), "blocks per SM (min/max)": (min(per_sm), max(per_sm)),
+        # the tail: from the first SM that runs out of work to the kernel's end
+        "tail after the first SM goes idle": (span1 - idle_from[0]) * us,
+        "tail after half the SMs are idle": (span1 - idle_from[len(idle_from) // 2]) * us,
+    })
+    return out
+
+
+def _format(name: str, out: dict) -> str:
+    lines = [f"== {name}"]
+    for k, v in out.items():
+        lines.append(f"  {k:38s} {v:10.2f}" if isinstance(v, float) else f"  {k:38s} {v}")
+    return "\n".join(lines)
+
+
+def main(argv) -> int:
+    import tilelang
+    import torch
+
+    from sparse_mqa_kernels import backward, backward_ws, bwd_plan, bwd_rows
+    from sparse_mqa_kernels.bench.cli import _load
+    from sparse_mqa_kernels.bench.shapes import PRESETS, make_inputs
+    from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET
+    from sparse_mqa_testkit import contract
+    from sparse_mqa_testkit.calls import Call
+
+    for preset in argv or ["anchor", "l512"]:
+        shape = PRESETS[preset]
+        x = make_inputs(shape, "cuda", seed=0, sink=True)
+        fwd, _ = _load("tilelang", "cuda")
+        f_args, f_kw = Call(x).for_("forward")
+        out, lse = fwd.forward(*f_args, **f_kw)
+        q, kv, do, idx = x["q"], x["kv"], x["grad_out"], x["indices"]
+        sm_scale = float(x["sm_scale"])
+        B, S, H, Dqk = q.shape
+        Dv, Skv = do.shape[-1], kv.shape[1]
+        key = bwd_plan.make_plan(B, S, Skv, H, idx.shape[-1], Dqk, Dv).key()
+        traced = tilelang.compile(backward_ws.build_program(key, trace=True), out_idx=None, target=TARGET,
+                                  execution_backend=EXECUTION_BACKEND)
+        tl = torch.full((B, S), idx.shape[-1], dtype=torch.int32, device="cuda")
+        lse2 = contract.lse_to_base2(lse, x["attn_sink"]).contiguous()
+        rows = torch.arange(S, dtype=torch.int32, device="cuda")
+        bound, scales, _ = bwd_rows.compiled(Dqk, Dv)
+        delta = torch.empty((B, S, H), dtype=torch.float32, device="cuda")
+        hist = torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device="cuda")
+        bound(q, out, do, kv, idx, tl, lse2, rows, delta, hist, sm_scale)
+        scale, inv = (torch.empty((B, Skv), dtype=torch.float32, device="cuda") for _ in range(2))
+        scales(hist, scale, inv)
+        acc = torch.zeros((B, Skv, Dqk), dtype=torch.int32, device="cuda")
+        dq = torch.empty((B, S, H, Dqk), dtype=torch.bfloat16, device="cuda")
+        args = (q, kv, do, idx, tl, lse2, delta, rows, scale, dq, acc, sm_scale)
+        ms = {}
+        for name, kernel in (("backend's", backward.compiled(key)), ("traced", traced)):  # what the stamps cost
+            kernel(*args)
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                kernel(*args)
+            stop.record()
+            torch.cuda.synchronize()
+            ms[name] = start.elapsed_time(stop) / 5
+        traced(*args)  # the run whose stamps are read
+        torch.cuda.synchronize()
+        stamps = dq[:, :, 0, :4 * len(SLOTS)].contiguous().view(torch.int64).reshape(-1, len(SLOTS)).cpu().numpy()
+        print(_format(f"{preset} {shape.label}: {len(stamps)} thread blocks, {torch.cuda.get_device_name()}; "
+                      + ", ".join(f"{k} kernel {v:.3f} ms" for k, v in ms.items()), summarise(stamps)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
