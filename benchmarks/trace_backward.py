@@ -1,28 +1,55 @@
-"""Where the 64-head main kernel's time goes, block by block: a build of ``sparse_mqa_bwd_ws`` that stamps
-``%globaltimer`` at fixed points (``backward_ws.TRACE_SLOTS``) runs on one call's inputs, and each thread block's
-stamps are summarised: its prologue (q and dO in shared memory), the first block's gather, when WG1 and the sender
-start (the pipeline's fill), the drain after WG0's last block, the gaps between blocks on one SM, and the last wave.
+"""Where the 64-head backward's two large kernels spend their time, thread block by thread block: builds of
+``sparse_mqa_bwd_ws`` and ``sparse_mqa_bwd_bound`` that stamp ``%globaltimer`` at fixed points
+(``backward_ws.TRACE_SLOTS``, ``bwd_rows.TRACE_SLOTS``) run on one call's inputs, and each block's stamps are
+summarised: the main kernel's prologue (q and dO in shared memory), first gather, fill (when WG1 starts), drain after
+WG0's last block and dq stores; the bound pass's prologue, Delta and loop; for both, the gaps between blocks on one SM
+and the last wave.
 
     python benchmarks/trace_backward.py anchor l512      # on a GPU; the production bound pass and row scales first
 
-The traced build differs from the backend's only by the stamps, and by not storing head 0's dq row (where the stamps
-go); both kernels are timed first, so what the stamps cost is seen. The backend's build has no stamps
-(tests/kernels/test_backward_compile.py).
+A traced build differs from the backend's only by the stamps and where they go (head 0's dq row, which it does not
+store; the bound pass's Delta, a scratch one here); each pair is timed first, so what the stamps cost is seen. The
+backend's builds have no stamps (tests/kernels/test_backward_compile.py).
 """
 import sys
 
 import numpy as np
 
 from sparse_mqa_kernels.backward_ws import TRACE_SLOTS as SLOTS
+from sparse_mqa_kernels.bwd_rows import TRACE_SLOTS as BOUND_SLOTS
+
+
+def _waves(start, end, smid) -> dict:
+    """The kernel's shape over the SMs (µs): its span, the gap between consecutive blocks on an SM, and its tail."""
+    gaps, per_sm, sm_done = [], [], []
+    for sm in np.unique(smid):
+        on = np.flatnonzero(smid == sm)
+        on = on[np.argsort(start[on])]
+        per_sm.append(len(on))
+        gaps += list(start[on[1:]] - end[on[:-1]])
+        sm_done.append(end[on[-1]])
+    span0, span1 = start.min(), end.max()
+    idle_from = np.sort(np.asarray(sm_done))  # when each SM finished its last block
+    return {
+        "kernel span": (span1 - span0) * 1e-3,
+        "gap between blocks on an SM": float(np.median(gaps)) * 1e-3 if gaps else 0.0,
+        "SMs": len(per_sm), "blocks per SM (min/max)": (min(per_sm), max(per_sm)),
+        # the tail: from the first SM that runs out of work to the kernel's end
+        "tail after the first SM goes idle": (span1 - idle_from[0]) * 1e-3,
+        "tail after half the SMs are idle": (span1 - idle_from[len(idle_from) // 2]) * 1e-3,
+    }
+
+
+def _medians(phases: dict) -> dict:
+    return {k: float(np.median(v)) * 1e-3 for k, v in phases.items()}
 
 
 def summarise(stamps: np.ndarray) -> dict:
-    """[blocks, len(SLOTS)] int64 stamps (ns) -> medians (µs) of each phase and the kernel's shape over the SMs."""
+    """The main kernel's [blocks, len(SLOTS)] int64 stamps (ns) -> the median of each phase (µs), and its waves."""
     t = {name: stamps[:, i].astype(np.float64) for i, name in enumerate(SLOTS)}
     end = np.maximum.reduce([t["wg0_end"], t["wg1_end"], t["sender_end"]])
-    us = 1e-3
     blocks = np.maximum(t["blocks"], 1)
-    phases = {
+    return {**_medians({
         "block": end - t["start"],
         "prologue (q, dO landed)": t["query_ready"] - t["start"],
         "first gather after that": t["first_block"] - t["query_ready"],
@@ -32,32 +59,25 @@ def summarise(stamps: np.ndarray) -> dict:
         "sender after WG1's loop": t["sender_end"] - t["wg1_loop_end"],
         "WG0 dq store": t["wg0_end"] - t["wg0_loop_end"],
         "WG1 dq store": t["wg1_end"] - t["wg1_loop_end"],
-    }
-    out = {k: float(np.median(v)) * us for k, v in phases.items()}
-    gaps, per_sm, sm_done = [], [], []
-    for sm in np.unique(t["smid"]):
-        on = np.flatnonzero(t["smid"] == sm)
-        on = on[np.argsort(t["start"][on])]
-        per_sm.append(len(on))
-        gaps += list(t["start"][on[1:]] - end[on[:-1]])
-        sm_done.append(end[on[-1]])
-    span0, span1 = t["start"].min(), end.max()
-    idle_from = np.sort(np.asarray(sm_done))  # when each SM finished its last block
-    out.update({
-        "kernel span": (span1 - span0) * us,
-        "gap between blocks on an SM": float(np.median(gaps)) * us if gaps else 0.0,
-        "SMs": len(per_sm), "blocks per SM (min/max)": (min(per_sm), max(per_sm)),
-        # the tail: from the first SM that runs out of work to the kernel's end
-        "tail after the first SM goes idle": (span1 - idle_from[0]) * us,
-        "tail after half the SMs are idle": (span1 - idle_from[len(idle_from) // 2]) * us,
-    })
-    return out
+    }), **_waves(t["start"], end, t["smid"])}
+
+
+def summarise_bound(stamps: np.ndarray) -> dict:
+    """The bound pass's stamps (``bwd_rows.TRACE_SLOTS``) -> the median of each phase (µs), and its waves."""
+    t = {name: stamps[:, i].astype(np.float64) for i, name in enumerate(BOUND_SLOTS)}
+    return {**_medians({
+        "block": t["loop_end"] - t["start"],
+        "prologue (q, dO, out and block 0 landed)": t["query_ready"] - t["start"],
+        "Delta, max|q|, max|dO|": t["prep_done"] - t["query_ready"],
+        "to the loop": t["loop_start"] - t["prep_done"],
+        "loop, per 64-slot block": (t["loop_end"] - t["loop_start"]) / np.maximum(t["blocks"], 1),
+    }), **_waves(t["start"], t["loop_end"], t["smid"])}
 
 
 def _format(name: str, out: dict) -> str:
     lines = [f"== {name}"]
     for k, v in out.items():
-        lines.append(f"  {k:38s} {v:10.2f}" if isinstance(v, float) else f"  {k:38s} {v}")
+        lines.append(f"  {k:42s} {v:10.2f}" if isinstance(v, float) else f"  {k:42s} {v}")
     return "\n".join(lines)
 
 
@@ -110,8 +130,29 @@ def main(argv) -> int:
         traced(*args)  # the run whose stamps are read
         torch.cuda.synchronize()
         stamps = dq[:, :, 0, :4 * len(SLOTS)].contiguous().view(torch.int64).reshape(-1, len(SLOTS)).cpu().numpy()
-        print(_format(f"{preset} {shape.label}: {len(stamps)} thread blocks, {torch.cuda.get_device_name()}; "
-                      + ", ".join(f"{k} kernel {v:.3f} ms" for k, v in ms.items()), summarise(stamps)), flush=True)
+        print(_format(f"main kernel, {preset} {shape.label}: {len(stamps)} thread blocks, "
+                      f"{torch.cuda.get_device_name()}; " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
+                      summarise(stamps)), flush=True)
+        # the bound pass's traced build writes its stamps over Delta: a scratch Delta and histogram
+        traced_bound = tilelang.compile(bwd_rows.build_bound(Dqk, Dv, trace=True), out_idx=None, target=TARGET,
+                                        execution_backend=EXECUTION_BACKEND)
+        scratch, hist2 = torch.empty_like(delta), torch.zeros_like(hist)
+        ms = {}
+        for name, kernel, d in (("backend's", bound, delta), ("traced", traced_bound, scratch)):
+            kernel(q, out, do, kv, idx, tl, lse2, rows, d, hist2, sm_scale)
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                kernel(q, out, do, kv, idx, tl, lse2, rows, d, hist2, sm_scale)
+            stop.record()
+            torch.cuda.synchronize()
+            ms[name] = start.elapsed_time(stop) / 5
+        traced_bound(q, out, do, kv, idx, tl, lse2, rows, scratch, hist2, sm_scale)
+        torch.cuda.synchronize()
+        n = len(BOUND_SLOTS)
+        bstamps = scratch[:, :, :2 * n].contiguous().view(torch.int64).reshape(-1, n).cpu().numpy()
+        print(_format(f"bound pass, {preset}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
+                      summarise_bound(bstamps)), flush=True)
     return 0
 
 

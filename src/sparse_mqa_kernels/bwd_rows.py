@@ -144,13 +144,18 @@ def bound_macros(T, BI: int, HW: int, ROWS: int, dv: int, issue, add):
     return publish, products, bounds, block_loop
 
 
-def build_bound(dqk: int, dv: int):
+# trace=True: a timing probe's build (``benchmarks/trace_backward.py``): thread 0's int64 stamps, slot k over
+# Delta[.., 2k] (so that build's Delta is not the kernel's)
+TRACE_SLOTS = ("start", "query_ready", "prep_done", "loop_start", "loop_end", "smid", "blocks")
+
+
+def build_bound(dqk: int, dv: int, trace: bool = False):
     """``sparse_mqa_bwd_bound``: Delta, and each valid slot's bound counted in its KV row's octave (module docstring).
 
     S^T = K Q^T and dP^T = V dO^T as [BI slots x 32 heads] tiles: both warpgroups work on the same block, each on
     half the heads, since q and dO in shared memory leave room for one KV tile; the halves' sums meet in shared
     memory. The next block's copies go out once both products have read the tile, under the bound arithmetic; its
-    indices were read a block earlier."""
+    indices were read a block earlier. ``trace``: a timing probe's build (``TRACE_SLOTS``), never the backend's."""
     import tilelang.language as T
 
     BI = bwd_plan.BOUND_BLOCK
@@ -227,7 +232,8 @@ def build_bound(dqk: int, dv: int):
         sm_scale: f32,
     ):
         groups = T.ceildiv(heads, HG)
-        with T.Kernel(n_rows, batch, groups, threads=THREADS, prelude=PRELUDE) as (bx, by, bz):
+        with T.Kernel(n_rows, batch, groups, threads=THREADS,
+                      prelude=PRELUDE + (backward_ws.TRACE_PRELUDE if trace else "")) as (bx, by, bz):
             Q_shared = T.alloc_shared([HG, dqk], bf16)
             dO_shared = T.alloc_shared([HG, dv], bf16)
             KVt = T.alloc_shared([BI, dqk], bf16)
@@ -247,6 +253,9 @@ def build_bound(dqk: int, dv: int):
             jr = T.alloc_local([PASSES], i32)
             ob = T.alloc_local([HG // 8 * dv // 32], bf16)  # this thread's out columns of its warp's 8 heads
             st = T.alloc_local([3], f32)
+            if trace:
+                stamps = T.alloc_local([len(TRACE_SLOTS)], T.int64)
+                stamps[0] = T.call_extern("int64", "smqa_now")
             tx = T.get_thread_binding()
             b_i, s_i, h0 = by, Rows[bx], bz * HG
             c2 = sm_scale * log2e
@@ -259,8 +268,12 @@ def build_bound(dqk: int, dv: int):
             publish(idx2, jr, 0, tx)
             T.ptx_wait_group(0)  # q and dO (and the first block) in shared memory
             T.sync_threads()
+            if trace:
+                stamps[1] = T.call_extern("int64", "smqa_now")
             heads_prep(Q_shared, dO_shared, delta_s, c_s, g_s, ob, st, h0, heads, T.abs(sm_scale), tx)
             T.sync_threads()
+            if trace:
+                stamps[2] = T.call_extern("int64", "smqa_now")
             if T.And(tx < HG, h0 + tx < heads):
                 Delta[b_i, s_i, h0 + tx] = delta_s[tx]
             if tx < 128:
@@ -270,9 +283,19 @@ def build_bound(dqk: int, dv: int):
             T.ptx_wait_group(0)
             T.fence_proxy_async()
             T.sync_threads()
+            if trace:
+                stamps[3] = T.call_extern("int64", "smqa_now")
             block_loop(Q_shared, dO_shared, KVt, KV, Indices, idx2, bs_s, nxt, jr,
                        (acc0, accp0, bsum0, lse0, c0, g0, d0), (acc1, accp1, bsum1, lse1, c1, g1, d1), Hist, 1.0,
                        b_i, s_i, n_blk, n_valid, seq_kv, c2, tx)
+            if trace:
+                stamps[4] = T.call_extern("int64", "smqa_now")
+                stamps[5] = T.call_extern("int64", "smqa_smid")
+                stamps[6] = T.cast(n_blk, T.int64)
+                T.sync_threads()  # every Delta write is done: the stamps go over them
+                if tx == 0:
+                    for k in range(len(TRACE_SLOTS)):
+                        T.call_extern("handle", "smqa_put", T.address_of(Delta[b_i, s_i, h0 + 2 * k]), stamps[k])
 
     return sparse_mqa_bwd_bound
 

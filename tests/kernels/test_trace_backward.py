@@ -29,3 +29,14 @@ def test_each_phase_is_read_from_its_stamps_and_the_last_wave_is_the_tail():
     assert out["SMs"] == 2 and out["blocks per SM (min/max)"] == (1, 3)
     assert out["kernel span"] == 2 * 15.5 + 14.5
     assert out["tail after the first SM goes idle"] == 2 * 15.5  # SM 1 done at 14.5 us, the kernel at 45.5
+
+
+def test_the_bound_pass_phases():
+    # one SM, two blocks 1 us apart: q, dO and out at 3 us, Delta 1 us, the loop from 4.5 us, 8 blocks of 1 us
+    at = dict(start=0, query_ready=3000, prep_done=4000, loop_start=4500, loop_end=12500)
+    one = [at[name] for name in TRACE.BOUND_SLOTS[:5]] + [0, 8]
+    stamps = np.array([one, [t + 13500 for t in one[:5]] + [0, 8]], dtype=np.int64)
+    out = TRACE.summarise_bound(stamps)
+    assert out["block"] == 12.5 and out["prologue (q, dO, out and block 0 landed)"] == 3.0
+    assert out["Delta, max|q|, max|dO|"] == 1.0 and out["to the loop"] == 0.5 and out["loop, per 64-slot block"] == 1.0
+    assert out["gap between blocks on an SM"] == 1.0 and out["kernel span"] == 26.0 and out["SMs"] == 1
