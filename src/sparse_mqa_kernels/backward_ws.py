@@ -143,6 +143,33 @@ TRACE_SLOTS = ("start", "query_ready", "first_block", "wg0_loop_end", "wg0_end",
                "wg1_end", "sender_first", "sender_end", "smid", "blocks")
 
 
+def tracing(T, slots):
+    """A traced build's stamps by slot name (``TRACE_PRELUDE``), as T.macro: ``alloc()`` the int64 slots, ``stamp``
+    a slot with %globaltimer, ``stamp_end`` the SM and the block count too, ``put`` the named slots, slot k at
+    ``dst(k)``'s address."""
+    at = {name: k for k, name in enumerate(slots)}
+
+    def alloc():
+        return T.alloc_local([len(slots)], T.int64)
+
+    @T.macro
+    def stamp(stamps, name):
+        stamps[at[name]] = T.call_extern("int64", "smqa_now")
+
+    @T.macro
+    def stamp_end(stamps, name, n_blk):
+        stamps[at[name]] = T.call_extern("int64", "smqa_now")
+        stamps[at["smid"]] = T.call_extern("int64", "smqa_smid")
+        stamps[at["blocks"]] = T.cast(n_blk, T.int64)
+
+    @T.macro
+    def put(stamps, names, dst):
+        for name in names:  # a Python tuple: unrolled
+            T.call_extern("handle", "smqa_put", T.address_of(dst(at[name])), stamps[at[name]])
+
+    return alloc, stamp, stamp_end, put
+
+
 def build_program(key, trace: bool = False):
     """TileLang prim_func for a 64-head ``bwd_plan.VariantKey``: dq, and dkv as int32 sums at each KV row's scale.
     ``trace``: a timing probe's build (``TRACE_SLOTS``), never the backend's."""
@@ -161,6 +188,7 @@ def build_program(key, trace: bool = False):
     smem = (HG * dqk + HG * D + BI * dqk + 2 * HG * BI) * 2 + (BI * W + 2 * BI) * 4
     assert smem <= SMEM_LIMIT, f"{smem} bytes of shared memory, over the {SMEM_LIMIT} an sm_90 block may use"
     load_query = query_tiles(T, dqk, dv, HG, THREADS)
+    trace_alloc, stamp, stamp_end, put = tracing(T, TRACE_SLOTS)
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
@@ -220,8 +248,8 @@ def build_program(key, trace: bool = False):
             bar_staged = T.alloc_barrier(arrive_count=128)  # WG1 has staged a chunk
             bar_read = T.alloc_barrier(arrive_count=128)  # the sender has read it
             if trace:
-                stamps = T.alloc_local([len(TRACE_SLOTS)], T.int64)
-                stamps[0] = T.call_extern("int64", "smqa_now")
+                stamps = trace_alloc()
+                stamp(stamps, "start")
 
             tx = T.get_thread_binding()
             b_i, s_i, h0 = by, Rows[bx], bz * HG
@@ -245,7 +273,7 @@ def build_program(key, trace: bool = False):
             T.fence_proxy_async()
             T.sync_threads()
             if trace:
-                stamps[1] = T.call_extern("int64", "smqa_now")
+                stamp(stamps, "query_ready")
 
             if tx < 128:
                 T.set_max_nreg(NREG[0], 1)
@@ -280,7 +308,7 @@ def build_program(key, trace: bool = False):
                     T.barrier_wait(bar_k_ready, kb & 1)
                     if trace:
                         if kb == 0:
-                            stamps[2] = T.call_extern("int64", "smqa_now")
+                            stamp(stamps, "first_block")
                     T.wgmma_gemm(Q_shared, KV_shared, acc_s, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(dO_shared, KV_shared[:, 0:D], acc_dp, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
@@ -300,17 +328,14 @@ def build_program(key, trace: bool = False):
                     T.gemm(dS_shared, KV_shared[:, 0:N0], acc_dq0)
                     T.barrier_arrive(bar_k_free)
                 if trace:
-                    stamps[3] = T.call_extern("int64", "smqa_now")
+                    stamp(stamps, "wg0_loop_end")
                 for h, d in T.Parallel(HG, N0):
                     if T.And(h0 + h < heads, T.Or(not trace, h > 0)):
                         dQ[b_i, s_i, h0 + h, d] = T.cast(acc_dq0[h, d], bf16)
                 if trace:
-                    stamps[4] = T.call_extern("int64", "smqa_now")
-                    stamps[10] = T.call_extern("int64", "smqa_smid")
-                    stamps[11] = T.cast(n_blk, T.int64)
+                    stamp_end(stamps, "wg0_end", n_blk)
                     if tx == 0:
-                        for k in (0, 1, 2, 3, 4, 10, 11):
-                            T.call_extern("handle", "smqa_put", T.address_of(dQ[b_i, s_i, h0, 4 * k]), stamps[k])
+                        put(stamps, TRACE_SLOTS[:5] + ("smid", "blocks"), lambda k: dQ[b_i, s_i, h0, 4 * k])
             elif tx < 256:
                 T.set_max_nreg(NREG[1], 1)
                 T.clear(acc_dq1)
@@ -318,7 +343,7 @@ def build_program(key, trace: bool = False):
                     T.barrier_wait(bar_p, kb & 1)
                     if trace:
                         if kb == 0:
-                            stamps[5] = T.call_extern("int64", "smqa_now")
+                            stamp(stamps, "wg1_first")
                     T.gemm(dS_shared, KV_shared[:, N0:dqk], acc_dq1)
                     # this block's rows and scales, read before WG0 may gather the next block
                     if tx - 128 < BI:
@@ -343,15 +368,14 @@ def build_program(key, trace: bool = False):
                         T.barrier_arrive(bar_staged)
                     T.barrier_arrive(bar_pds_free)
                 if trace:
-                    stamps[6] = T.call_extern("int64", "smqa_now")
+                    stamp(stamps, "wg1_loop_end")
                 for h, d in T.Parallel(HG, N1):
                     if T.And(h0 + h < heads, T.Or(not trace, h > 0)):
                         dQ[b_i, s_i, h0 + h, N0 + d] = T.cast(acc_dq1[h, d], bf16)
                 if trace:
-                    stamps[7] = T.call_extern("int64", "smqa_now")
+                    stamp(stamps, "wg1_end")
                     if tx == 128:
-                        for k in (5, 6, 7):
-                            T.call_extern("handle", "smqa_put", T.address_of(dQ[b_i, s_i, h0, 4 * k]), stamps[k])
+                        put(stamps, ("wg1_first", "wg1_loop_end", "wg1_end"), lambda k: dQ[b_i, s_i, h0, 4 * k])
             else:
                 T.set_max_nreg(NREG[2], 0)
                 for kb in T.serial(n_blk):
@@ -361,11 +385,10 @@ def build_program(key, trace: bool = False):
                                   T.address_of(bar_read[0]), kb * NCH)
                     if trace:
                         if kb == 0:
-                            stamps[8] = T.call_extern("int64", "smqa_now")
+                            stamp(stamps, "sender_first")
                 if trace:
-                    stamps[9] = T.call_extern("int64", "smqa_now")
+                    stamp(stamps, "sender_end")
                     if tx == 256:
-                        for k in (8, 9):
-                            T.call_extern("handle", "smqa_put", T.address_of(dQ[b_i, s_i, h0, 4 * k]), stamps[k])
+                        put(stamps, ("sender_first", "sender_end"), lambda k: dQ[b_i, s_i, h0, 4 * k])
 
     return sparse_mqa_bwd_ws

@@ -172,6 +172,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
         T.call_extern("handle", "smqa_octave_add", T.address_of(Hist[b_i, row, 0]), bound)
 
     publish, products, bounds, block_loop = bound_macros(T, BI, HW, ROWS, dv, issue, add)
+    trace_alloc, stamp, stamp_end, put = backward_ws.tracing(T, TRACE_SLOTS)
 
     @T.macro
     def out_rows(O, ob, b_i, s_i, h0, heads, tx):
@@ -254,8 +255,8 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             ob = T.alloc_local([HG // 8 * dv // 32], bf16)  # this thread's out columns of its warp's 8 heads
             st = T.alloc_local([3], f32)
             if trace:
-                stamps = T.alloc_local([len(TRACE_SLOTS)], T.int64)
-                stamps[0] = T.call_extern("int64", "smqa_now")
+                stamps = trace_alloc()
+                stamp(stamps, "start")
             tx = T.get_thread_binding()
             b_i, s_i, h0 = by, Rows[bx], bz * HG
             c2 = sm_scale * log2e
@@ -269,11 +270,11 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             T.ptx_wait_group(0)  # q and dO (and the first block) in shared memory
             T.sync_threads()
             if trace:
-                stamps[1] = T.call_extern("int64", "smqa_now")
+                stamp(stamps, "query_ready")
             heads_prep(Q_shared, dO_shared, delta_s, c_s, g_s, ob, st, h0, heads, T.abs(sm_scale), tx)
             T.sync_threads()
             if trace:
-                stamps[2] = T.call_extern("int64", "smqa_now")
+                stamp(stamps, "prep_done")
             if T.And(tx < HG, h0 + tx < heads):
                 Delta[b_i, s_i, h0 + tx] = delta_s[tx]
             if tx < 128:
@@ -284,18 +285,15 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             T.fence_proxy_async()
             T.sync_threads()
             if trace:
-                stamps[3] = T.call_extern("int64", "smqa_now")
+                stamp(stamps, "loop_start")
             block_loop(Q_shared, dO_shared, KVt, KV, Indices, idx2, bs_s, nxt, jr,
                        (acc0, accp0, bsum0, lse0, c0, g0, d0), (acc1, accp1, bsum1, lse1, c1, g1, d1), Hist, 1.0,
                        b_i, s_i, n_blk, n_valid, seq_kv, c2, tx)
             if trace:
-                stamps[4] = T.call_extern("int64", "smqa_now")
-                stamps[5] = T.call_extern("int64", "smqa_smid")
-                stamps[6] = T.cast(n_blk, T.int64)
+                stamp_end(stamps, "loop_end", n_blk)
                 T.sync_threads()  # every Delta write is done: the stamps go over them
                 if tx == 0:
-                    for k in range(len(TRACE_SLOTS)):
-                        T.call_extern("handle", "smqa_put", T.address_of(Delta[b_i, s_i, h0 + 2 * k]), stamps[k])
+                    put(stamps, TRACE_SLOTS, lambda k: Delta[b_i, s_i, h0 + 2 * k])
 
     return sparse_mqa_bwd_bound
 
