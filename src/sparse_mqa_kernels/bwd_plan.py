@@ -31,7 +31,7 @@ fixed point
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -243,12 +243,12 @@ def make_plan(B: int, S: int, Skv: int, H: int, L: int, Dqk: int, Dv: int, *,
     if workspace_budget < 0:
         raise ValueError(f"workspace_budget must be >= 0, got {workspace_budget}")
     head_group = head_group_for(H)
-    acc = (4 if head_group == 64 else 8) * B * Skv * Dqk  # BwdPlan.accumulator_bytes
+    plan = BwdPlan(B=B, S=S, Skv=Skv, H=H, L=L, Dqk=Dqk, Dv=Dv, head_group=head_group,
+                   topk_block=TOPK_BLOCKS[head_group], query_chunk=1)
     per_q = staging_bytes_per_query(B, H) + 4 * H  # staging plus, at worst, one d_sink partial per query
-    room = workspace_budget - acc - 8
+    room = workspace_budget - plan.accumulator_bytes() - 8  # the sums do not depend on the chunk
     chunk = max(1, min(S, max_query_chunk, room // per_q)) if room > 0 else 1
-    return BwdPlan(B=B, S=S, Skv=Skv, H=H, L=L, Dqk=Dqk, Dv=Dv, head_group=head_group,
-                   topk_block=TOPK_BLOCKS[head_group], query_chunk=chunk)
+    return replace(plan, query_chunk=chunk)
 
 
 def all_variants(dims=contract.PRODUCTION_DIMS) -> list[VariantKey]:
