@@ -60,7 +60,8 @@ def accumulate_fixed(acc, rows, contrib, to_fixed):
 
 
 def from_fixed(acc, F):
-    """int64 accumulator at 2**-F -> float64 (the kernel's final conversion before bf16)."""
+    """int64 accumulator at 2**-F -> float64 (the kernel's final conversion before bf16); F may be an array that
+    broadcasts against ``acc`` (a scale per KV row)."""
     return np.asarray(acc).astype(np.float64) * 2.0**-F
 
 
@@ -205,7 +206,7 @@ def row_scaled_dkv(blks: list, kv, d_v: int, sm_scale: float, terms=None):
     if not np.all(np.abs(acc) < 2**31):
         b, j = np.unravel_index(np.abs(acc).max(-1).argmax(), acc.shape[:2])
         raise AssertionError(f"row ({b}, {j})'s dkv sum leaves int32 (bound {bound[b, j]:.3e}, F {F[b, j]})")
-    return acc.astype(np.float64) * np.exp2(-F.astype(np.float64))[..., None], F
+    return from_fixed(acc, F[..., None]), F
 
 
 def model_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale, *, topk_length=None,
