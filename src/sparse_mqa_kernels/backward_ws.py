@@ -11,7 +11,7 @@ shape, with a sender added):
   is exact and order-free; a row no valid slot backs is never sent.
 
 WG0 reads the next block's indices while this block's copies fly and their scales after its products; q and dO come
-by cp.async, all in flight at once, while WG0 reads its first block's rows. Hand-overs are mbarriers: k_ready /
+by cp.async, all in flight at once, and WG0's first block flies with them. Hand-overs are mbarriers: k_ready /
 k_free (the KV tile), p (P and dS in shared memory), pds_free (WG1 is done reading them), staged / read (a chunk of
 the one staging buffer; parities in ``read_parity``). Registers move from the sender to the two computing
 warpgroups with setmaxnreg (``NREG``).
@@ -201,6 +201,36 @@ def build_program(key, trace: bool = False):
             if kb * BI + r * ROWS_PER_PASS + p // 8 < n_valid:
                 rows[r] = Indices[b_i, s_i, kb * BI + r * ROWS_PER_PASS + p // 8]
 
+    @T.macro
+    def gather_first(KV_shared, idx_shared, scale_shared, KV, RowScale, idx_n, sc_n, bar_k_ready, b_i, n_valid, seq_kv,
+                     p):
+        # WG0, before the loop: the first block's copies (as in the loop below), then its row scales; the rows it
+        # does not gather are zeroed, so a slot never gathered holds finite values (later blocks leave the rows before)
+        for r in T.unroll(PASSES):
+            row = r * ROWS_PER_PASS + p // 8
+            first_ok = T.And(row < n_valid, T.And(idx_n[r] >= 0, idx_n[r] < seq_kv))
+            if p % 8 == 0:
+                idx_shared[row] = T.if_then_else(first_ok, idx_n[r], -1)
+            if first_ok:
+                for u in T.serial(CHUNKS):
+                    T.ptx_cp_async(
+                        T.access_ptr(KV_shared[row, 64 * u + (p % 8) * 8], "w", 8),
+                        T.access_ptr(KV[b_i, idx_n[r], 64 * u + (p % 8) * 8], "r", 8),
+                        8,
+                    )
+            else:
+                for u in T.serial(CHUNKS):
+                    for v in T.vectorized(8):
+                        KV_shared[row, 64 * u + (p % 8) * 8 + v] = T.cast(0, bf16)
+        T.cp_async_barrier_noinc(bar_k_ready)
+        T.barrier_arrive(bar_k_ready)
+        for r in T.unroll(PASSES):
+            sc_n[r] = RowScale[b_i, T.min(T.max(idx_n[r], 0), seq_kv - 1)]
+        for r in T.unroll(PASSES):
+            if p % 8 == 0:
+                scale_shared[r * ROWS_PER_PASS + p // 8] = T.if_then_else(
+                    T.And(r * ROWS_PER_PASS + p // 8 < n_valid, T.And(idx_n[r] >= 0, idx_n[r] < seq_kv)), sc_n[r], 0.0)
+
     @T.prim_func
     def sparse_mqa_bwd_ws(
         Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
@@ -256,20 +286,18 @@ def build_program(key, trace: bool = False):
             c2 = sm_scale * log2e
             n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
             n_blk = T.ceildiv(n_valid, BI)
-            # WG0's first rows and scales while the query's copies are in flight
+            # WG0's first block goes out while the query's copies are in flight, as a later commit group, so WG0
+            # waits for q and dO alone here (k_ready tracks the block)
             if tx < 128:
                 next_rows(idx_n, Indices, b_i, s_i, 0, n_valid, tx)
             load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
-            # a KV tile starts at zero, so a slot never gathered holds finite values
-            for i in T.serial(T.ceildiv(BI * (dqk // 8), THREADS)):
-                c = i * THREADS + tx
-                if c < BI * (dqk // 8):
-                    for v in T.vectorized(8):
-                        KV_shared[c // (dqk // 8), (c % (dqk // 8)) * 8 + v] = T.cast(0, bf16)
             if tx < 128:
-                for r in T.unroll(PASSES):
-                    sc_n[r] = RowScale[b_i, T.min(T.max(idx_n[r], 0), seq_kv - 1)]
-            T.ptx_wait_group(0)
+                gather_first(KV_shared, idx_shared, scale_shared, KV, RowScale, idx_n, sc_n, bar_k_ready, b_i, n_valid,
+                             seq_kv, tx)
+                T.ptx_commit_group()
+                T.ptx_wait_group(1)
+            else:
+                T.ptx_wait_group(0)
             T.fence_proxy_async()
             T.sync_threads()
             if trace:
@@ -286,24 +314,24 @@ def build_program(key, trace: bool = False):
                     for r in T.unroll(PASSES):
                         idx_r[r] = idx_n[r]
                         sc_r[r] = sc_n[r]
-                    if kb > 0:
+                    if kb > 0:  # block 0 went out before the loop
                         T.barrier_wait(bar_k_free, (kb - 1) & 1)
-                    for r in T.unroll(PASSES):
-                        row = r * ROWS_PER_PASS + p // 8
-                        # the contract's validity rule; an invalid slot keeps -1 and is neither gathered nor sent
-                        ok = T.And(kb * BI + row < n_valid, T.And(idx_r[r] >= 0, idx_r[r] < seq_kv))
-                        if p % 8 == 0:
-                            idx_shared[row] = T.if_then_else(ok, idx_r[r], -1)
-                            scale_shared[row] = T.if_then_else(ok, sc_r[r], 0.0)
-                        if ok:
-                            for u in T.serial(CHUNKS):
-                                T.ptx_cp_async(
-                                    T.access_ptr(KV_shared[row, 64 * u + (p % 8) * 8], "w", 8),
-                                    T.access_ptr(KV[b_i, idx_r[r], 64 * u + (p % 8) * 8], "r", 8),
-                                    8,
-                                )
-                    T.cp_async_barrier_noinc(bar_k_ready)
-                    T.barrier_arrive(bar_k_ready)
+                        for r in T.unroll(PASSES):
+                            row = r * ROWS_PER_PASS + p // 8
+                            # the contract's validity rule; an invalid slot keeps -1 and is neither gathered nor sent
+                            ok = T.And(kb * BI + row < n_valid, T.And(idx_r[r] >= 0, idx_r[r] < seq_kv))
+                            if p % 8 == 0:
+                                idx_shared[row] = T.if_then_else(ok, idx_r[r], -1)
+                                scale_shared[row] = T.if_then_else(ok, sc_r[r], 0.0)
+                            if ok:
+                                for u in T.serial(CHUNKS):
+                                    T.ptx_cp_async(
+                                        T.access_ptr(KV_shared[row, 64 * u + (p % 8) * 8], "w", 8),
+                                        T.access_ptr(KV[b_i, idx_r[r], 64 * u + (p % 8) * 8], "r", 8),
+                                        8,
+                                    )
+                        T.cp_async_barrier_noinc(bar_k_ready)
+                        T.barrier_arrive(bar_k_ready)
                     next_rows(idx_n, Indices, b_i, s_i, kb + 1, n_valid, p)
                     T.barrier_wait(bar_k_ready, kb & 1)
                     if trace:

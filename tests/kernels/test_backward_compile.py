@@ -51,26 +51,33 @@ def test_dkv_reduction_is_integer_only(source):
 
 def test_only_valid_rows_are_sent(source):
     """A slot's KV row reaches the sender only through ``idx_shared``, which holds -1 unless the contract's validity
-    rule holds (valid prefix, 0 <= index < Skv); the sender skips negative rows."""
+    rule holds (valid prefix, 0 <= index < Skv), for the first block (gathered before the loop) and every later one;
+    the sender skips negative rows."""
     body = _body(source)
     assert re.search(r"row_j = \(\(int\*\)idx_shared\)\[", body)
     assert re.search(r"\(\(int\*\)stage\)\[[^]]+\] = row_j;", body)
-    ok = re.search(r"ok = \(\(signed char\)\((.*)\)\);", body)
-    assert ok and all(t in ok.group(1) for t in ("< n_valid", "0 <= idx_r[", "idx_r[r_3] < seq_kv")), "validity rule"
-    store = re.search(r"if \(\(\(bool\)ok\)\) \{\s*(condval_\d+) = idx_r\[r_3\];\s*\} else \{\s*\1 = -1;\s*\}"
-                      r"\s*\(\(int\*\)idx_shared\)\[[^]]+\] = \1;", body)
-    assert store, "idx_shared holds the row only where the rule holds"
+    stores = re.findall(r"if \((.*)\) \{\s*(condval_\d+) = (idx_[nr]\[r_\d+\]);\s*\} else \{\s*\2 = -1;\s*\}"
+                        r"\s*\(\(int\*\)idx_shared\)\[[^]]+\] = \2;", body)
+    assert len(stores) == 2 == body.count("((int*)idx_shared)[((r_"), "every idx_shared store holds the row only where the rule holds"
+    for guard, _, idx in stores:
+        name = re.sub(r"^\(\(bool\)(\w+)\)$", r"\1", guard)  # a flag set just before: read its rule
+        rule = re.findall(rf"\b{name} = (.*);", body)[-1] if re.fullmatch(r"\w+", name) else guard
+        assert all(t in rule for t in ("< n_valid", f"0 <= {idx}", f"{idx} < seq_kv")), f"validity rule: {rule}"
     assert "p[i] = r >= 0 ?" in source and "if (q != nullptr)" in source
 
 
 def test_query_rows_arrive_by_cp_async(source):
     """q and dO come by cp.async, all committed before one wait (not loaded through registers, a few in flight at a
-    time), and WG0 reads its first block's rows meanwhile."""
+    time); WG0 reads its first block's rows meanwhile and sends that block's copies as a later group, so its wait is
+    for q and dO alone."""
     body = _body(source)
-    first_wait = body.index("tl::cp_async_wait<0>()")
-    assert body.index("Q_shared)[") < body.index("tl::cp_async_commit()") < first_wait
+    q_commit = body.index("tl::cp_async_commit()")
+    assert body.index("Q_shared)[") < q_commit < body.index("tl::cp_async_wait<0>()")
     assert "*(uint4*)(Q + " not in body and "*(uint4*)(dO + " not in body
-    assert body.index("Indices[") < body.index("tl::cp_async_commit()")
+    assert body.index("Indices[") < q_commit
+    first_gather = body.index("tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)KV_shared)")
+    block_commit = body.index("tl::cp_async_commit()", q_commit + 1)
+    assert q_commit < first_gather < block_commit < body.index("tl::cp_async_wait<1>()") < body.index("wgmma")
 
 
 def test_sender_waits_by_the_global_chunk_count():
