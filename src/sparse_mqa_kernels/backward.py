@@ -57,7 +57,7 @@ from sparse_mqa_testkit import contract
 from sparse_mqa_testkit.backends.validate import check_backward_args
 
 from . import backward_ws, bwd_plan, bwd_prep, bwd_rows
-from .target import EXECUTION_BACKEND, SMEM_LIMIT, TARGET
+from .target import EXECUTION_BACKEND, SMEM_LIMIT, TARGET, kernel_ready
 
 THREADS = {64: 256, 32: 128, 16: 128}  # single-role body, per head group
 STAGE_ROWS = 4  # single-role body: KV rows per staging round, double-buffered (the block shares its two buffers)
@@ -337,10 +337,10 @@ def sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
                          f"may name one KV row, over the {bwd_plan.MAX_ROW_TERMS} the 64-head backward counts "
                          "in int32; pass config=BackwardConfig(single_role=True) (int64 sums)")
     dev = q.device
-    q, kv, out, grad_out, lse, indices = (t.contiguous() for t in (q, kv, out, grad_out, lse, indices))
+    q, kv, out, grad_out, lse, indices = (kernel_ready(t) for t in (q, kv, out, grad_out, lse, indices))
     with torch.cuda.device(dev):
         tl = (torch.full((dims.B, dims.S), dims.L, dtype=torch.int32, device=dev) if topk_length is None
-              else topk_length.contiguous())
+              else kernel_ready(topk_length))
         lse2 = contract.lse_to_base2(lse, attn_sink).contiguous()
         args = (q, kv, out, grad_out, lse, attn_sink, indices, tl, lse2, sm_scale)
         dq, dkv, delta = _row_scaled(plan, *args) if row_scaled else _one_scale(plan, config, *args)

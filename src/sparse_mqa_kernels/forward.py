@@ -26,7 +26,7 @@ from sparse_mqa_testkit import contract
 from sparse_mqa_testkit.backends.validate import check_forward_args
 
 from . import fwd_plan
-from .target import EXECUTION_BACKEND, TARGET
+from .target import EXECUTION_BACKEND, TARGET, kernel_ready
 
 _V_HALF = 256  # each consumer owns Dv / 2 = 256 output columns
 
@@ -302,10 +302,10 @@ def sparse_mqa_forward(q, kv, indices, sm_scale, d_v, *, attn_sink=None, topk_le
                               supported_dims=contract.PRODUCTION_DIMS, device_type="cuda")
     plan = fwd_plan.plan_forward(dims, has_sink=attn_sink is not None, has_topk_length=topk_length is not None)
     kernel = compiled(plan.key)
-    q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
+    q, kv, indices = kernel_ready(q), kernel_ready(kv), kernel_ready(indices)
     dev = str(q.device)
-    sink = attn_sink.contiguous() if attn_sink is not None else _placeholder("sink", dev)
-    topk_len = topk_length.contiguous() if topk_length is not None else _placeholder("topk", dev)
+    sink = kernel_ready(attn_sink) if attn_sink is not None else _placeholder("sink", dev)
+    topk_len = kernel_ready(topk_length) if topk_length is not None else _placeholder("topk", dev)
     out = torch.empty((dims.B, dims.S, dims.H, dims.Dv), dtype=torch.bfloat16, device=q.device)
     lse = torch.empty((dims.B, dims.S, dims.H), dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):

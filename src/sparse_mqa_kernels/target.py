@@ -8,3 +8,12 @@ SMEM_LIMIT = 227 * 1024  # dynamic shared memory one block may use on sm_90
 # swap in another launcher; "auto" resolves to the same one, and TileLang keys its cache on the resolved name, so
 # the pin changes neither the generated code nor the cache keys.
 EXECUTION_BACKEND = "tvm_ffi"
+# The kernels copy rows 16 bytes at a time (cp.async, TMA): a tensor's first byte must sit on a 16-byte boundary
+ALIGN_BYTES = 16
+
+
+def kernel_ready(t):
+    """``t`` contiguous and at a 16-byte aligned address, as the kernels read it: a copy only where needed (a view
+    that starts inside its storage, at an odd element, would otherwise fault on the device)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % ALIGN_BYTES == 0 else t.clone()
