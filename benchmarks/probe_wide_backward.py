@@ -72,8 +72,7 @@ def query_tiles(T, dqk: int, dv: int, HG: int = 64, threads: int = 256):
     """Two T.macro pieces the probes' kernels share: ``load_query`` puts one query's q and dO rows of a head group
     into shared memory, 16 bytes a thread, padded heads as zero (q only when ``dv`` is 0); ``zero_rows`` zeroes a
     [rows x dqk] tile (a KV block starts at zero, so a slot never gathered holds finite values).
-    The loads go through registers, two to four in flight a thread (``backward_ws.query_tiles`` copies them by
-    cp.async, all at once)."""
+    The loads go through registers, two to four in flight a thread (``backward_ws.query_tiles`` copies them by TMA)."""
     bf16 = T.bfloat16
 
     def rows_loader(D: int):

@@ -11,7 +11,7 @@ shape, with a sender added):
   is exact and order-free; a row no valid slot backs is never sent.
 
 WG0 reads the next block's indices while this block's copies fly and their scales after its products; q and dO come
-by cp.async, all in flight at once, and WG0's first block flies with them. Hand-overs are mbarriers: k_ready /
+by TMA (``query_tiles``), and WG0's first block flies with them. Hand-overs are mbarriers: q (q and dO), k_ready /
 k_free (the KV tile), p (P and dS in shared memory), pds_free (WG1 is done reading them), staged / read (a chunk of
 the one staging buffer; parities in ``read_parity``). Registers move from the sender to the two computing
 warpgroups with setmaxnreg (``NREG``).
@@ -91,35 +91,15 @@ def read_parity(kb, c, nch: int):
     return (kb * nch + c + 1) & 1
 
 
-def query_tiles(T, dqk: int, dv: int, HG: int, threads: int):
-    """``load_query`` (a T.macro): one query's q and dO rows of a head group into shared memory as cp.async, 16 bytes
-    a thread, all in flight at once and committed as one group (the caller waits), padded heads as zeros."""
-    bf16 = T.bfloat16
-
-    def rows_loader(D: int):
-        CHUNKS = HG * (D // 8)
-
-        @T.macro
-        def load_rows(src, dst, b_i, s_i, h0, heads, tx):
-            for i in T.serial(T.ceildiv(CHUNKS, threads)):
-                c = i * threads + tx
-                if c < CHUNKS:
-                    if h0 + c // (D // 8) < heads:
-                        T.ptx_cp_async(T.access_ptr(dst[c // (D // 8), (c % (D // 8)) * 8], "w", 8),
-                                       T.access_ptr(src[b_i, s_i, h0 + c // (D // 8), (c % (D // 8)) * 8], "r", 8), 8)
-                    else:
-                        for v in T.vectorized(8):
-                            dst[c // (D // 8), (c % (D // 8)) * 8 + v] = T.cast(0, bf16)
-
-        return load_rows
-
-    load_q, load_do = rows_loader(dqk), rows_loader(dv)
+def query_tiles(T, HG: int):
+    """``load_query`` (a T.macro): one query's q and dO rows of a head group into shared memory by TMA, completing
+    one phase of the mbarrier ``bar`` (arrival count 1: one elected thread issues both copies and arrives); rows past
+    the tensor's heads arrive as zeros (the copy's out-of-bounds fill). The caller waits on ``bar``."""
 
     @T.macro
-    def load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx):
-        load_q(Q, Q_shared, b_i, s_i, h0, heads, tx)
-        load_do(dO, dO_shared, b_i, s_i, h0, heads, tx)
-        T.ptx_commit_group()
+    def load_query(Q, dO, Q_shared, dO_shared, bar, b_i, s_i, h0):
+        T.tma_copy(Q[b_i, s_i, h0:h0 + HG, :], Q_shared, barrier=bar)
+        T.tma_copy(dO[b_i, s_i, h0:h0 + HG, :], dO_shared, barrier=bar, annotations={"emit_arrive": 1})
 
     return load_query
 
@@ -187,7 +167,7 @@ def build_program(key, trace: bool = False):
     CHUNKS = dqk // 64  # 16-byte copies a gathering thread makes a row
     smem = (HG * dqk + HG * D + BI * dqk + 2 * HG * BI) * 2 + (BI * W + 2 * BI) * 4
     assert smem <= SMEM_LIMIT, f"{smem} bytes of shared memory, over the {SMEM_LIMIT} an sm_90 block may use"
-    load_query = query_tiles(T, dqk, dv, HG, THREADS)
+    load_query = query_tiles(T, HG)
     trace_alloc, stamp, stamp_end, put = tracing(T, TRACE_SLOTS)
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
@@ -277,6 +257,7 @@ def build_program(key, trace: bool = False):
             bar_pds_free = T.alloc_barrier(arrive_count=128)  # WG1: done reading P and dS
             bar_staged = T.alloc_barrier(arrive_count=128)  # WG1 has staged a chunk
             bar_read = T.alloc_barrier(arrive_count=128)  # the sender has read it
+            bar_q = T.alloc_barrier(arrive_count=1)  # q and dO landed (TMA)
             if trace:
                 stamps = trace_alloc()
                 stamp(stamps, "start")
@@ -286,18 +267,15 @@ def build_program(key, trace: bool = False):
             c2 = sm_scale * log2e
             n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
             n_blk = T.ceildiv(n_valid, BI)
-            # WG0's first block goes out while the query's copies are in flight, as a later commit group, so WG0
-            # waits for q and dO alone here (k_ready tracks the block)
+            # WG0's first block goes out while q and dO fly (k_ready tracks the block, bar_q the query)
             if tx < 128:
                 next_rows(idx_n, Indices, b_i, s_i, 0, n_valid, tx)
-            load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
+            load_query(Q, dO, Q_shared, dO_shared, bar_q, b_i, s_i, h0)
             if tx < 128:
                 gather_first(KV_shared, idx_shared, scale_shared, KV, RowScale, idx_n, sc_n, bar_k_ready, b_i, n_valid,
                              seq_kv, tx)
                 T.ptx_commit_group()
-                T.ptx_wait_group(1)
-            else:
-                T.ptx_wait_group(0)
+            T.mbarrier_wait_parity(bar_q, 0)
             T.fence_proxy_async()
             T.sync_threads()
             if trace:

@@ -164,7 +164,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
-    load_query = backward_ws.query_tiles(T, dqk, dv, HG, THREADS)
+    load_query = backward_ws.query_tiles(T, HG)
     prefetch_rows, issue = gather_macros(T, BI, ROWS, dqk, ahead=1)
 
     @T.macro
@@ -254,6 +254,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             jr = T.alloc_local([PASSES], i32)
             ob = T.alloc_local([HG // 8 * dv // 32], bf16)  # this thread's out columns of its warp's 8 heads
             st = T.alloc_local([3], f32)
+            bar_q = T.alloc_barrier(arrive_count=1)  # q and dO landed (TMA)
             if trace:
                 stamps = trace_alloc()
                 stamp(stamps, "start")
@@ -264,10 +265,11 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             n_blk = T.ceildiv(n_valid, BI)
             prefetch_rows(nxt, Indices, b_i, s_i, 0, n_valid, tx)
             issue(KVt, KV, nxt, jr, Indices, b_i, s_i, 0, n_valid, seq_kv, tx)
-            load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
+            load_query(Q, dO, Q_shared, dO_shared, bar_q, b_i, s_i, h0)
             out_rows(O, ob, b_i, s_i, h0, heads, tx)
             publish(idx2, jr, 0, tx)
-            T.ptx_wait_group(0)  # q and dO (and the first block) in shared memory
+            T.ptx_wait_group(0)  # the first block, then q and dO, in shared memory
+            T.mbarrier_wait_parity(bar_q, 0)
             T.sync_threads()
             if trace:
                 stamp(stamps, "query_ready")

@@ -66,18 +66,26 @@ def test_only_valid_rows_are_sent(source):
     assert "p[i] = r >= 0 ?" in source and "if (q != nullptr)" in source
 
 
-def test_query_rows_arrive_by_cp_async(source):
-    """q and dO come by cp.async, all committed before one wait (not loaded through registers, a few in flight at a
-    time); WG0 reads its first block's rows meanwhile and sends that block's copies as a later group, so its wait is
-    for q and dO alone."""
-    body = _body(source)
-    q_commit = body.index("tl::cp_async_commit()")
-    assert body.index("Q_shared)[") < q_commit < body.index("tl::cp_async_wait<0>()")
+def _tma_query(body: str, dqk: int = 576, dv: int = 512) -> int:
+    """q and dO come by TMA on one mbarrier (one elected thread expects both tiles' bytes, issues the copies and
+    arrives), never through registers or cp.async; returns where the wait for them is."""
+    assert re.search(rf"(\w+)\[0\]\.expect_transaction\({64 * dqk * 2}\);.*tl::tma_load\(Q_desc, \1\[0\].*"
+                     rf"\1\[0\]\.arrive_and_expect_tx\({64 * dv * 2}\);.*tl::tma_load\(dO_desc, \1\[0\]", body, re.S)
     assert "*(uint4*)(Q + " not in body and "*(uint4*)(dO + " not in body
-    assert body.index("Indices[") < q_commit
+    assert not re.search(r"cp_async\w*<16>\(\(&\(\(\(bfloat16_t\*\)(Q|dO)_shared", body)
+    wait = re.search(r"(\w+)\[0\]\.wait\(0\);", body[body.index("tl::tma_load(dO_desc"):])
+    assert wait
+    return body.index("tl::tma_load(dO_desc") + wait.start()
+
+
+def test_query_rows_arrive_by_tma(source):
+    """q and dO come by TMA; WG0 reads its first block's indices and sends that block's copies while they fly; every
+    thread waits for q and dO alone before the first product (k_ready tracks the block)."""
+    body = _body(source)
+    wait = _tma_query(body)
     first_gather = body.index("tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)KV_shared)")
-    block_commit = body.index("tl::cp_async_commit()", q_commit + 1)
-    assert q_commit < first_gather < block_commit < body.index("tl::cp_async_wait<1>()") < body.index("wgmma")
+    assert body.index("= Indices[") < body.index("tl::tma_load(Q_desc") < first_gather < wait < body.index("wgmma")
+    assert "cp_async_wait" not in body[:wait]
 
 
 def test_sender_waits_by_the_global_chunk_count():
@@ -166,7 +174,7 @@ def test_variant_keys_choose_the_body():
 @pytest.mark.parametrize("dims", [(576, 512), (512, 512)], ids=["576", "512"])
 def test_row_scale_kernels_compile_without_float_atomics(dims):
     """``bwd_rows``: the bound pass runs S^T and dP^T as [64 slots x 32 heads] tiles (each warpgroup half the heads),
-    copies q and dO by cp.async and waits for them before its prologue forms and writes Delta, and counts each slot's
+    copies q and dO by TMA and waits for them before its prologue forms and writes Delta, and counts each slot's
     bound with one integer add (``smqa_octave_add``: red.add.u32), into its row's octave counts only; the row scales
     use no atomic; the conversion rounds float64 to bf16 once (cvt.rn.bf16.f64)."""
     from sparse_mqa_kernels import bwd_rows
@@ -179,7 +187,8 @@ def test_row_scale_kernels_compile_without_float_atomics(dims):
     assert "globaltimer" not in bound and "stamps" not in body  # the timing probe's build only
     assert set(re.findall(r"smqa_octave_add\(\(&\((\w+)\[", body)) == {"Hist"}
     assert set(re.findall(r"(?:red|atom)\.[\w.]+", bound)) == {"red.relaxed.gpu.global.add.u32"}
-    assert body.index("tl::cp_async_commit()") < body.index("tl::cp_async_wait<0>()") < body.index("Delta[")
+    wait = _tma_query(body, *dims)
+    assert body.index("tl::cp_async_wait<0>()") < wait < body.index("Delta[")  # the first block's rows, q and dO
     assert "tl::warp_reduce_sum" in body
     for src in (scales, convert):
         assert "atomic" not in src.lower() and "red." not in src
