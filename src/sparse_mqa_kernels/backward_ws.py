@@ -29,7 +29,7 @@ N0 = 256  # dq columns WG0 computes; WG1 has [N0, Dqk)
 ROWS_PER_PASS = 16  # WG0's gather: 8 threads a KV row, 16 bytes each
 # registers per thread (setmaxnreg) of WG0 and WG1, and of the sender: the launch gives each thread 168 (65536 / 384,
 # rounded down to 8), and an increase only takes what a decrease in the same block gave back
-NREG = (224, 224, 56)
+NREG = (224, 216, 64)
 assert sum(NREG) == 3 * 168
 
 PRELUDE = r"""
@@ -60,22 +60,19 @@ __device__ __forceinline__ void smqa_send_block(const int* stage, int* acc, int 
   #pragma unroll
   for (int c = 0; c < NCH; ++c) {
     if (c > 0) smqa_mbar_wait(staged, (k0 + c) & 1);
+    int v0[N], v1[N];
     #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      int v0[N / 2], v1[N / 2];
-      #pragma unroll
-      for (int i = 0; i < N / 2; ++i) {
-        v0[i] = stage[(h * N / 2 + i) * W + lane];
-        v1[i] = stage[(h * N / 2 + i) * W + 32 + lane];
-      }
-      if (h == 1) smqa_mbar_arrive(read);
-      #pragma unroll
-      for (int i = 0; i < N / 2; ++i) {
-        int* q = p[h * N / 2 + i];
-        if (q != nullptr) {
-          asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(q + c * C), "r"(v0[i]));
-          asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(q + c * C + 32), "r"(v1[i]));
-        }
+    for (int i = 0; i < N; ++i) {
+      v0[i] = stage[i * W + lane];
+      v1[i] = stage[i * W + 32 + lane];
+    }
+    smqa_mbar_arrive(read);
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+      int* q = p[i];
+      if (q != nullptr) {
+        asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(q + c * C), "r"(v0[i]));
+        asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(q + c * C + 32), "r"(v1[i]));
       }
     }
   }
