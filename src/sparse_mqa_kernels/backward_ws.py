@@ -28,7 +28,8 @@ C = 64  # dkv columns a chunk
 N0 = 256  # dq columns WG0 computes; WG1 has [N0, Dqk)
 ROWS_PER_PASS = 16  # WG0's gather: 8 threads a KV row, 16 bytes each
 # registers per thread (setmaxnreg) of WG0 and WG1, and of the sender: the launch gives each thread 168 (65536 / 384,
-# rounded down to 8), and an increase only takes what a decrease in the same block gave back
+# rounded down to 8), and an increase only takes what a decrease in the same block gave back. The sender's 64 hold a
+# whole chunk of its rows (pointers and values) without spilling; WG1 runs in 216
 NREG = (224, 216, 64)
 assert sum(NREG) == 3 * 168
 
@@ -45,8 +46,9 @@ __device__ __forceinline__ void smqa_mbar_arrive(void* bar) {
 }
 // the sender warpgroup, one call a top-k block: this warp's N staged rows (row i at stage + i * W, its KV row in column
 // RC, negative for a slot no valid row backs) for each of the block's NCH chunks of C columns. Row pointers are formed
-// once a block, so a chunk costs its loads and reds (two 128-byte lines a row); the stage is freed once a chunk's loads
-// are done. k0 is the block's first chunk number (mbarrier parities).
+// once a block, so a chunk costs its loads and reds (two 128-byte lines a row): all N rows' values are loaded first and
+// the stage freed before any red goes out (WG1 stages the next chunk while they do). k0 is the block's first chunk
+// number (mbarrier parities).
 template <int N, int W, int D, int RC, int NCH, int C>
 __device__ __forceinline__ void smqa_send_block(const int* stage, int* acc, int lane, void* staged, void* read,
                                                 int k0) {
