@@ -58,7 +58,8 @@ def test_only_valid_rows_are_sent(source):
     assert re.search(r"\(\(int\*\)stage\)\[[^]]+\] = row_j;", body)
     stores = re.findall(r"if \((.*)\) \{\s*(condval_\d+) = (idx_[nr]\[r_\d+\]);\s*\} else \{\s*\2 = -1;\s*\}"
                         r"\s*\(\(int\*\)idx_shared\)\[[^]]+\] = \2;", body)
-    assert len(stores) == 2 == body.count("((int*)idx_shared)[((r_"), "every idx_shared store holds the row only where the rule holds"
+    assert len(stores) == 2 == body.count("((int*)idx_shared)[((r_"), \
+        "every idx_shared store holds the row only where the rule holds"
     for guard, _, idx in stores:
         name = re.sub(r"^\(\(bool\)(\w+)\)$", r"\1", guard)  # a flag set just before: read its rule
         rule = re.findall(rf"\b{name} = (.*);", body)[-1] if re.fullmatch(r"\w+", name) else guard
