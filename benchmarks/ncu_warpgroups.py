@@ -1,0 +1,92 @@
+"""Where a warp-specialised kernel's warps wait, warpgroup by warpgroup: Nsight Compute's per-instruction warp-state
+samples (the source page as CSV, SASS), summed over each role's code. A role's code starts at its ``setmaxnreg``
+(``USETMAXREG``), so the regions between them are the roles, in code order; the code before the first is the shared
+prologue. For each region: its share of all samples, its stall reasons, and its costliest instructions, with the
+instructions that form each mbarrier wait's address (``SYNCS.PHASECHK``, then a retry branch where the samples land),
+so the barrier can be told apart.
+
+    ncu --clock-control none --profile-from-start off --set full --import-source no -k regex:sparse_mqa_bwd_ws -c 1 \\
+        --export ws python benchmarks/profile_backward.py --backward tilelang --preset anchor --sink
+    ncu --import ws.ncu-rep --page source --csv --print-source sass | gzip > ws-sass.csv.gz
+    python benchmarks/ncu_warpgroups.py ws-sass.csv.gz [--top 8]
+
+In ``sparse_mqa_bwd_ws`` the sender's region is the one whose setmaxnreg gives registers back (``DEALLOC``); WG0's
+is the one with the KV gather (``LDGSTS``) and the [64 heads x BI slots] products (``HGMMA.64xBI``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import gzip
+import sys
+
+SAMPLES = "Warp Stall Sampling (All Samples)"
+EXECUTED = "Instructions Executed"
+
+
+def read(path: str) -> list[tuple[int, str, int, int, dict]]:
+    """(address, SASS, samples, executions, {stall reason: samples}) per instruction, in address order."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
+        rows = list(csv.reader(f))
+    header = next(r for r in rows if r and r[0] == "Address")
+    col = {h: i for i, h in enumerate(header)}
+    reasons = [h for h in header if h.startswith("stall_") and "(Not Issued)" not in h]
+    out = []
+    for r in rows[rows.index(header) + 1:]:
+        if len(r) < len(header) or not r[0].startswith("0x"):
+            continue
+        out.append((int(r[0], 16), r[1].strip(), int(r[col[SAMPLES]] or 0), int(r[col[EXECUTED]] or 0),
+                    {k[len("stall_"):]: int(r[col[k]] or 0) for k in reasons}))
+    return sorted(out)
+
+
+def regions(ins) -> list[dict]:
+    """The instructions cut at each ``USETMAXREG``: name, samples, stall reasons, instructions (code order)."""
+    out = [{"name": "prologue", "ins": []}]
+    for item in ins:
+        if "USETMAXREG" in item[1]:
+            kind = "DEALLOC" if "DEALLOC" in item[1] else "ALLOC"
+            out.append({"name": f"role {len(out)} (setmaxnreg {kind} {item[1].split()[-1]})", "ins": []})
+        out[-1]["ins"].append(item)
+    for reg in out:
+        reg["samples"] = sum(i[2] for i in reg["ins"])
+        reg["reasons"] = collections.Counter()
+        for i in reg["ins"]:
+            reg["reasons"].update(i[4])
+    return [r for r in out if r["ins"]]
+
+
+def report(ins, top: int = 8, context: int = 3) -> str:
+    total = sum(i[2] for i in ins) or 1
+    lines = []
+    for reg in regions(ins):
+        n = reg["samples"] or 1
+        lines.append(f"== {reg['name']}: {reg['samples']} samples ({100 * reg['samples'] / total:.1f} % of all)")
+        lines.append("   " + ", ".join(f"{k} {100 * v / n:.0f} %" for k, v in reg["reasons"].most_common(6)))
+        body = reg["ins"]
+        for k in sorted(range(len(body)), key=lambda j: -body[j][2])[:top]:
+            addr, sass, samples, executed, why = body[k]
+            reason = max(why, key=why.get) if samples else "-"
+            share = 100 * samples / n
+            lines.append(f"   {samples:8d} ({share:4.1f} %) {hex(addr)} x{executed} {sass[:60]}  [{reason}]")
+            waits = [j for j in range(max(0, k - 12), k) if "SYNCS.PHASECHK" in body[j][1]]
+            if "BRA" in sass and waits:  # an mbarrier wait's retry branch: the wait and what formed its address
+                for a, s, *_ in body[max(0, waits[-1] - context):waits[-1] + 1]:
+                    lines.append(f"        {hex(a)} {s[:70]}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("csv", help="ncu --page source --csv --print-source sass output (.gz or plain)")
+    p.add_argument("--top", type=int, default=8, help="costliest instructions shown a region")
+    args = p.parse_args(argv)
+    print(report(read(args.csv), args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

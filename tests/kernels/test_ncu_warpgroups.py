@@ -1,0 +1,40 @@
+"""benchmarks/ncu_warpgroups.py: per-role sums of Nsight Compute's SASS stall samples, on a source page made up here."""
+import gzip
+
+from support import benchmark_module
+
+NCU = benchmark_module("ncu_warpgroups")
+
+HEADER = ["Address", "Source", NCU.SAMPLES, "Warp Stall Sampling (Not-issued Samples)", NCU.EXECUTED,
+          "stall_long_sb", "stall_wait", "stall_long_sb (Not Issued)"]
+
+
+def _page(tmp_path, rows):
+    lines = ['"Kernel Name","k",'] + [",".join(f'"{c}"' for c in HEADER)]
+    lines += [",".join(f'"{c}"' for c in r) for r in rows]
+    path = tmp_path / "sass.csv.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_roles_are_cut_at_setmaxnreg_and_waits_show_their_barrier(tmp_path):
+    rows = [  # address, SASS, samples, not issued, executed, long_sb, wait, long_sb not issued
+        ("0x100", "LDC R1, c[0x0][0x28]", 2, 2, 10, 0, 2, 0),
+        ("0x110", "USETMAXREG.DEALLOC.CTAPOOL 0x38", 0, 0, 4, 0, 0, 0),
+        ("0x120", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R29+URZ], R28", 1, 1, 4, 1, 0, 1),
+        ("0x130", "@!P0  BRA 0x300", 30, 30, 4, 30, 0, 30),
+        ("0x140", "REDG.E.ADD.STRONG.GPU desc[UR4][R30.64], R5", 10, 5, 4, 0, 10, 0),
+        ("0x150", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe0", 0, 0, 4, 0, 0, 0),
+        ("0x160", "HGMMA.64x48x16.F32.BF16 R152, gdesc[UR56], RZ, !UPT", 57, 50, 4, 7, 50, 7),
+    ]
+    ins = NCU.read(_page(tmp_path, rows))
+    assert [i[0] for i in ins] == [int(r[0], 16) for r in rows] and ins[3][4] == {"long_sb": 30, "wait": 0}
+    regs = NCU.regions(ins)
+    assert [r["samples"] for r in regs] == [2, 41, 57]
+    assert regs[1]["name"].startswith("role 1 (setmaxnreg DEALLOC") and regs[1]["reasons"]["long_sb"] == 31
+    out = NCU.report(ins, top=2)
+    assert "role 1 (setmaxnreg DEALLOC 0x38): 41 samples (41.0 % of all)" in out
+    assert "role 2 (setmaxnreg ALLOC 0xe0): 57 samples (57.0 % of all)" in out
+    wait = out.index("@!P0  BRA 0x300")  # the barrier wait shown with the instruction that waits
+    assert out.index("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R29+URZ], R28", wait) > wait
