@@ -180,6 +180,20 @@ def build_program(key, trace: bool = False):
             if kb * BI + r * ROWS_PER_PASS + p // 8 < n_valid:
                 rows[r] = Indices[b_i, s_i, kb * BI + r * ROWS_PER_PASS + p // 8]
 
+    def valid(slot, j, n_valid, seq_kv):
+        # the contract's validity rule; an invalid slot keeps -1 and is neither gathered nor sent
+        return T.And(slot < n_valid, T.And(j >= 0, j < seq_kv))
+
+    @T.macro
+    def copy_row(KV_shared, KV, b_i, row, rows, r, p):
+        # this thread's 16-byte pieces of KV row rows[r] into the tile's row ``row`` (cp.async)
+        for u in T.serial(CHUNKS):
+            T.ptx_cp_async(
+                T.access_ptr(KV_shared[row, 64 * u + (p % 8) * 8], "w", 8),
+                T.access_ptr(KV[b_i, rows[r], 64 * u + (p % 8) * 8], "r", 8),
+                8,
+            )
+
     @T.macro
     def gather_first(KV_shared, idx_shared, scale_shared, KV, RowScale, idx_n, sc_n, bar_k_ready, b_i, n_valid, seq_kv,
                      p):
@@ -187,16 +201,11 @@ def build_program(key, trace: bool = False):
         # does not gather are zeroed, so a slot never gathered holds finite values (later blocks leave the rows before)
         for r in T.unroll(PASSES):
             row = r * ROWS_PER_PASS + p // 8
-            first_ok = T.And(row < n_valid, T.And(idx_n[r] >= 0, idx_n[r] < seq_kv))
+            first_ok = valid(row, idx_n[r], n_valid, seq_kv)
             if p % 8 == 0:
                 idx_shared[row] = T.if_then_else(first_ok, idx_n[r], -1)
             if first_ok:
-                for u in T.serial(CHUNKS):
-                    T.ptx_cp_async(
-                        T.access_ptr(KV_shared[row, 64 * u + (p % 8) * 8], "w", 8),
-                        T.access_ptr(KV[b_i, idx_n[r], 64 * u + (p % 8) * 8], "r", 8),
-                        8,
-                    )
+                copy_row(KV_shared, KV, b_i, row, idx_n, r, p)
             else:
                 for u in T.serial(CHUNKS):
                     for v in T.vectorized(8):
@@ -208,7 +217,7 @@ def build_program(key, trace: bool = False):
         for r in T.unroll(PASSES):
             if p % 8 == 0:
                 scale_shared[r * ROWS_PER_PASS + p // 8] = T.if_then_else(
-                    T.And(r * ROWS_PER_PASS + p // 8 < n_valid, T.And(idx_n[r] >= 0, idx_n[r] < seq_kv)), sc_n[r], 0.0)
+                    valid(r * ROWS_PER_PASS + p // 8, idx_n[r], n_valid, seq_kv), sc_n[r], 0.0)
 
     @T.prim_func
     def sparse_mqa_bwd_ws(
@@ -295,18 +304,12 @@ def build_program(key, trace: bool = False):
                         T.barrier_wait(bar_k_free, (kb - 1) & 1)
                         for r in T.unroll(PASSES):
                             row = r * ROWS_PER_PASS + p // 8
-                            # the contract's validity rule; an invalid slot keeps -1 and is neither gathered nor sent
-                            ok = T.And(kb * BI + row < n_valid, T.And(idx_r[r] >= 0, idx_r[r] < seq_kv))
+                            ok = valid(kb * BI + row, idx_r[r], n_valid, seq_kv)
                             if p % 8 == 0:
                                 idx_shared[row] = T.if_then_else(ok, idx_r[r], -1)
                                 scale_shared[row] = T.if_then_else(ok, sc_r[r], 0.0)
                             if ok:
-                                for u in T.serial(CHUNKS):
-                                    T.ptx_cp_async(
-                                        T.access_ptr(KV_shared[row, 64 * u + (p % 8) * 8], "w", 8),
-                                        T.access_ptr(KV[b_i, idx_r[r], 64 * u + (p % 8) * 8], "r", 8),
-                                        8,
-                                    )
+                                copy_row(KV_shared, KV, b_i, row, idx_r, r, p)
                         T.cp_async_barrier_noinc(bar_k_ready)
                         T.barrier_arrive(bar_k_ready)
                     next_rows(idx_n, Indices, b_i, s_i, kb + 1, n_valid, p)
