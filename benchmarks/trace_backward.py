@@ -88,7 +88,7 @@ def main(argv) -> int:
     from sparse_mqa_kernels import backward, backward_ws, bwd_plan, bwd_rows
     from sparse_mqa_kernels.bench.cli import _load
     from sparse_mqa_kernels.bench.shapes import PRESETS, make_inputs
-    from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET
+    from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET, sm_count
     from sparse_mqa_testkit import contract
     from sparse_mqa_testkit.calls import Call
 
@@ -111,7 +111,8 @@ def main(argv) -> int:
         bound, scales, _ = bwd_rows.compiled(Dqk, Dv)
         delta = torch.empty((B, S, H), dtype=torch.float32, device="cuda")
         hist = torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device="cuda")
-        bound(q, out, do, kv, idx, tl, lse2, rows, delta, hist, sm_scale)
+        split = bwd_plan.make_plan(B, S, Skv, H, idx.shape[-1], Dqk, Dv).bound_split(S, sm_count(0))
+        bound(q, out, do, kv, idx, tl, lse2, rows, delta, hist, sm_scale, *split)
         scale, inv = (torch.empty((B, Skv), dtype=torch.float32, device="cuda") for _ in range(2))
         scales(hist, scale, inv)
         acc = torch.zeros((B, Skv, Dqk), dtype=torch.int32, device="cuda")
@@ -139,15 +140,15 @@ def main(argv) -> int:
         scratch, hist2 = torch.empty_like(delta), torch.zeros_like(hist)
         ms = {}
         for name, kernel, d in (("backend's", bound, delta), ("traced", traced_bound, scratch)):
-            kernel(q, out, do, kv, idx, tl, lse2, rows, d, hist2, sm_scale)
+            kernel(q, out, do, kv, idx, tl, lse2, rows, d, hist2, sm_scale, *split)
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(5):
-                kernel(q, out, do, kv, idx, tl, lse2, rows, d, hist2, sm_scale)
+                kernel(q, out, do, kv, idx, tl, lse2, rows, d, hist2, sm_scale, *split)
             stop.record()
             torch.cuda.synchronize()
             ms[name] = start.elapsed_time(stop) / 5
-        traced_bound(q, out, do, kv, idx, tl, lse2, rows, scratch, hist2, sm_scale)
+        traced_bound(q, out, do, kv, idx, tl, lse2, rows, scratch, hist2, sm_scale, *split)
         torch.cuda.synchronize()
         n = len(BOUND_SLOTS)
         bstamps = scratch[:, :, :2 * n].contiguous().view(torch.int64).reshape(-1, n).cpu().numpy()

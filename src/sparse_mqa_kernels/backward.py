@@ -57,7 +57,7 @@ from sparse_mqa_testkit import contract
 from sparse_mqa_testkit.backends.validate import check_backward_args
 
 from . import backward_ws, bwd_plan, bwd_prep, bwd_rows
-from .target import EXECUTION_BACKEND, SMEM_LIMIT, TARGET, kernel_ready
+from .target import EXECUTION_BACKEND, SMEM_LIMIT, TARGET, kernel_ready, sm_count
 
 THREADS = {64: 256, 32: 128, 16: 128}  # single-role body, per head group
 STAGE_ROWS = 4  # single-role body: KV rows per staging round, double-buffered (the block shares its two buffers)
@@ -381,8 +381,9 @@ def _row_scaled(plan, q, kv, out, grad_out, lse, attn_sink, indices, tl, lse2, s
     dev = q.device
     delta = torch.empty((B, S, H), dtype=torch.float32, device=dev)
     hist = torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device=dev)
+    n_sm = sm_count(dev)
     for rows in _launch_rows(plan, dev):
-        bound(q, out, grad_out, kv, indices, tl, lse2, rows, delta, hist, sm_scale)
+        bound(q, out, grad_out, kv, indices, tl, lse2, rows, delta, hist, sm_scale, *plan.bound_split(len(rows), n_sm))
     scale = torch.empty((B, Skv), dtype=torch.float32, device=dev)
     inv = torch.empty_like(scale)
     scales(hist, scale, inv)

@@ -163,6 +163,19 @@ class BwdPlan:
             raise IndexError(f"head group {g} out of range [0, {self.n_groups})")
         return range(g * self.head_group, min(self.H, (g + 1) * self.head_group))
 
+    def bound_split(self, rows: int, n_sm: int) -> tuple[int, int, int]:
+        """How the bound pass launches ``rows`` query rows on ``n_sm`` SMs (one block = one row x one head group):
+        ``(whole, pieces, per_piece)``: the first ``whole`` rows one block each, each later row in ``pieces`` blocks of
+        ``per_piece`` top-k blocks (BOUND_BLOCK slots). A launch whose last wave would hold r <= n_sm / 2 blocks
+        splits its last r rows, so that wave fills the machine; its outputs (Delta, integer counts) are the same
+        whatever the split."""
+        n_blocks = -(-self.L // BOUND_BLOCK)
+        last = rows * self.B * self.n_groups % n_sm
+        if last == 0 or last > n_sm // 2 or last > rows or n_blocks == 1:
+            return rows, 1, n_blocks
+        per = -(-n_blocks // min(n_sm // last, n_blocks))
+        return rows - last, -(-n_blocks // per), per
+
     def chunks(self) -> list[range]:
         """Query ranges, one launch each, in launch order."""
         return [range(s0, min(self.S, s0 + self.query_chunk)) for s0 in range(0, self.S, self.query_chunk)]

@@ -5,8 +5,9 @@ each term to an int32 multiple of 2**-F_j and adds the integers, so the sum is e
 every partial sum of the row inside int32, which a bound B_j on the row's total |contribution| gives:
 F_j = ROW_HEADROOM - ceil(log2 B_j) (``bwd_plan``).
 
-``sparse_mqa_bwd_bound`` (one block = one query x 64 heads, 256 threads) forms, per valid slot, the bound on each
-element of its dkv term, summed over the group's heads:
+``sparse_mqa_bwd_bound`` (one block = one query x 64 heads, 256 threads; the last wave's queries split over several
+blocks by top-k block, ``BwdPlan.bound_split``) forms, per valid slot, the bound on each element of its dkv term,
+summed over the group's heads:
 
     P_h (|sm_scale| max|q_h| |dP_h - Delta_h| + max|dO_h|) (1 + BOUND_MARGIN),
 
@@ -117,11 +118,13 @@ def bound_macros(T, BI: int, HW: int, ROWS: int, dv: int, issue, add):
 
     @T.macro
     def block_loop(Q_shared, dO_shared, KVt, KV, Indices, idx2, bs_s, nxt, jr, wg0, wg1, dest, ex, b_i, s_i, n_blk,
-                   n_valid, seq_kv, c2, tx):
-        # each block: both warpgroups' products, the next block's copies under the bound arithmetic, each valid slot's
-        # bound handed to ``add``. wg0, wg1: a warpgroup's (acc, accp, bsum, lse, C, G, Delta) fragments
-        for kb in T.serial(n_blk):
-            if kb > 0:
+                   n_valid, seq_kv, c2, tx, kb0=0):
+        # n_blk blocks from block kb0 (its copies issued and published to buffer 0 already): both warpgroups' products,
+        # the next block's copies under the bound arithmetic, each valid slot's bound handed to ``add``. wg0, wg1: a
+        # warpgroup's (acc, accp, bsum, lse, C, G, Delta) fragments
+        for i in T.serial(n_blk):
+            kb = kb0 + i
+            if i > 0:
                 T.ptx_wait_group(0)
                 T.fence_proxy_async()
                 T.sync_threads()
@@ -137,9 +140,9 @@ def bound_macros(T, BI: int, HW: int, ROWS: int, dv: int, issue, add):
                 bounds(wg1[0], wg1[1], wg1[2], bs_s, wg1[3], wg1[4], wg1[5], wg1[6], c2, 1)
             T.sync_threads()
             if tx < BI:
-                if idx2[kb % 2, tx] >= 0:
-                    add(dest, b_i, idx2[kb % 2, tx], (bs_s[0, tx] + bs_s[1, tx]) * margin, ex)
-            publish(idx2, jr, 1 - kb % 2, tx)
+                if idx2[i % 2, tx] >= 0:
+                    add(dest, b_i, idx2[i % 2, tx], (bs_s[0, tx] + bs_s[1, tx]) * margin, ex)
+            publish(idx2, jr, 1 - i % 2, tx)
 
     return publish, products, bounds, block_loop
 
@@ -231,9 +234,14 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
         Delta: T.Tensor([batch, seq_len, heads], f32),
         Hist: T.Tensor([batch, seq_kv, bwd_plan.OCTAVES], i32),
         sm_scale: f32,
+        whole: i32,
+        pieces: i32,
+        per_piece: i32,
     ):
         groups = T.ceildiv(heads, HG)
-        with T.Kernel(n_rows, batch, groups, threads=THREADS,
+        # Rows[:whole] one block each; each later row in ``pieces`` blocks of ``per_piece`` top-k blocks (the last
+        # wave's rows spread over the machine: bwd_plan.bound_split)
+        with T.Kernel(whole + (n_rows - whole) * pieces, batch, groups, threads=THREADS,
                       prelude=PRELUDE + (backward_ws.TRACE_PRELUDE if trace else "")) as (bx, by, bz):
             Q_shared = T.alloc_shared([HG, dqk], bf16)
             dO_shared = T.alloc_shared([HG, dv], bf16)
@@ -259,12 +267,17 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                 stamps = trace_alloc()
                 stamp(stamps, "start")
             tx = T.get_thread_binding()
-            b_i, s_i, h0 = by, Rows[bx], bz * HG
+            part = T.max(bx - whole, 0)
+            row = T.if_then_else(bx < whole, bx, whole + part // pieces)
+            kb0 = T.if_then_else(bx < whole, 0, part % pieces * per_piece)
+            b_i, s_i, h0 = by, Rows[row], bz * HG
             c2 = sm_scale * log2e
             n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
-            n_blk = T.ceildiv(n_valid, BI)
-            prefetch_rows(nxt, Indices, b_i, s_i, 0, n_valid, tx)
-            issue(KVt, KV, nxt, jr, Indices, b_i, s_i, 0, n_valid, seq_kv, tx)
+            kb1 = T.if_then_else(bx < whole, T.ceildiv(n_valid, BI), T.min(kb0 + per_piece, T.ceildiv(n_valid, BI)))
+            n_blk = T.max(kb1 - kb0, 0)
+            n_mine = T.min(n_valid, kb1 * BI)  # slots past this piece's blocks are the next piece's: not copied here
+            prefetch_rows(nxt, Indices, b_i, s_i, kb0, n_mine, tx)
+            issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb0, n_mine, seq_kv, tx)
             load_query(Q, dO, Q_shared, dO_shared, bar_q, b_i, s_i, h0)
             out_rows(O, ob, b_i, s_i, h0, heads, tx)
             publish(idx2, jr, 0, tx)
@@ -277,7 +290,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             T.sync_threads()
             if trace:
                 stamp(stamps, "prep_done")
-            if T.And(tx < HG, h0 + tx < heads):
+            if T.And(T.And(tx < HG, h0 + tx < heads), kb0 == 0):  # a row's first piece writes its Delta
                 Delta[b_i, s_i, h0 + tx] = delta_s[tx]
             if tx < 128:
                 heads_init(lse0, c0, g0, d0, Lse2, c_s, g_s, delta_s, b_i, s_i, h0, 0, heads)
@@ -290,7 +303,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                 stamp(stamps, "loop_start")
             block_loop(Q_shared, dO_shared, KVt, KV, Indices, idx2, bs_s, nxt, jr,
                        (acc0, accp0, bsum0, lse0, c0, g0, d0), (acc1, accp1, bsum1, lse1, c1, g1, d1), Hist, 1.0,
-                       b_i, s_i, n_blk, n_valid, seq_kv, c2, tx)
+                       b_i, s_i, n_blk, n_mine, seq_kv, c2, tx, kb0)
             if trace:
                 stamp_end(stamps, "loop_end", n_blk)
                 T.sync_threads()  # every Delta write is done: the stamps go over them

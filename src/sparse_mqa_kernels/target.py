@@ -17,3 +17,10 @@ def kernel_ready(t):
     that starts inside its storage, at an odd element, would otherwise fault on the device)."""
     t = t.contiguous()
     return t if t.data_ptr() % ALIGN_BYTES == 0 else t.clone()
+
+
+def sm_count(device) -> int:
+    """The device's SMs (host-side properties, no device work): how many blocks a wave holds."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count

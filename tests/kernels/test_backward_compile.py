@@ -190,6 +190,9 @@ def test_row_scale_kernels_compile_without_float_atomics(dims):
     assert set(re.findall(r"(?:red|atom)\.[\w.]+", bound)) == {"red.relaxed.gpu.global.add.u32"}
     wait = _tma_query(body, *dims)
     assert body.index("tl::cp_async_wait<0>()") < wait < body.index("Delta[")  # the first block's rows, q and dO
+    # a row split over blocks (bwd_plan.bound_split): its first piece (top-k block 0) alone writes Delta
+    assert re.search(r"&& \((condval_\d+) == 0\)\) \{\s*if \(\(s_i < seq_len\) && \(0 <= s_i\)\) \{\s*Delta\[", body)
+    assert "int per_piece, int pieces" in body and "int whole" in body
     assert "tl::warp_reduce_sum" in body
     for src in (scales, convert):
         assert "atomic" not in src.lower() and "red." not in src

@@ -120,3 +120,32 @@ def test_octave_ceil_and_row_exponent():
     ok = (b > 0) & np.isfinite(b) & (f < bwd_plan.ROW_F_MAX)
     scaled = b[ok] * np.exp2(f[ok])
     assert ((scaled <= 2.0**bwd_plan.ROW_HEADROOM) & (scaled > 2.0 ** (bwd_plan.ROW_HEADROOM - 1))).all()
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.integers(1, 5000), B=st.integers(1, 3), H=st.sampled_from([33, 64, 128, 192]),
+       L=st.integers(1, 2100), n_sm=st.sampled_from([1, 2, 78, 114, 132]))
+def test_bound_split_covers_each_row_once_and_fills_the_last_wave(rows, B, H, L, n_sm):
+    """The bound pass's launch (``BwdPlan.bound_split``): the first ``whole`` rows one block each, each later row's
+    top-k blocks split over ``pieces`` blocks, every block of a row in exactly one piece and no piece empty; a split
+    happens only where the last wave is at most half the machine, and then it holds more blocks than before and no
+    more than the machine."""
+    plan = make_plan(B, max(rows, 1), 64, H, L, 576, 512)
+    whole, pieces, per = plan.bound_split(rows, n_sm)
+    nb = -(-L // bwd_plan.BOUND_BLOCK)
+    assert 0 <= whole <= rows and pieces >= 1 and per >= 1
+    covered = [range(k * per, min((k + 1) * per, nb)) for k in range(pieces)]
+    assert all(len(r) > 0 for r in covered) and sorted(b for r in covered for b in r) == list(range(nb))
+    last = rows * B * plan.n_groups % n_sm
+    if whole < rows:
+        assert 0 < last <= n_sm // 2 and whole == rows - last
+        assert last < last * pieces <= n_sm
+    else:
+        assert pieces == 1
+
+
+def test_bound_split_of_the_anchor():
+    """4096 rows on 132 SMs leave 4 in the last wave: their 32 top-k blocks each become 32 one-block pieces."""
+    assert make_plan(1, 4096, 8192, 64, 2048, 576, 512).bound_split(4096, 132) == (4092, 32, 1)
+    assert make_plan(1, 4096, 8192, 64, 512, 576, 512).bound_split(4096, 132) == (4092, 8, 1)
+    assert make_plan(1, 4096, 8192, 64, 2048, 576, 512).bound_split(4092, 132) == (4092, 1, 32)

@@ -51,7 +51,7 @@ def host_code_on_cpu(monkeypatch):
         dq.fill_(0.25)
         acc.fill_(-(2**20) + 3)
 
-    def bound_kernel(q, out, grad_out, kv, indices, tl, lse2, rows, delta, hist, sm_scale):
+    def bound_kernel(q, out, grad_out, kv, indices, tl, lse2, rows, delta, hist, sm_scale, whole, pieces, per_piece):
         delta.fill_(0.5)
         hist[..., 100].fill_(7)
 
@@ -71,6 +71,7 @@ def host_code_on_cpu(monkeypatch):
     monkeypatch.setattr(bwd_prep, "compiled", lambda dqk, dv: prep_kernel)
     monkeypatch.setattr(forward, "compiled", lambda key: fwd_kernel)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(backward, "sm_count", lambda d: 132)
 
 
 WORKSPACE_CASES = [

@@ -276,3 +276,31 @@ def test_views_at_odd_addresses_change_no_bit():
                               a["sm_scale"], topk_length=a["topk_length"]) for a in (t, shifted)]
     for name, a, b in zip(("dq", "dkv", "d_sink"), *grads):
         assert torch.equal(a, b), name
+
+
+def test_bound_pass_splits_change_no_bit():
+    """The bound pass with rows split over several blocks (``BwdPlan.bound_split``'s launch; pieces of one or two
+    top-k blocks, an empty last piece, no whole rows) gives Delta and the octave counts bitwise equal to one block a
+    row: the counts are integer adds, and a row's first piece alone writes its Delta."""
+    from sparse_mqa_kernels import bwd_plan, bwd_rows
+
+    case = Case(B=2, S=9, Skv=300, H=64, L=200, Dqk=576, Dv=512, sink="finite", topk="random", invalid="holes",
+                seed=43)
+    t = case_args(BACKEND, case)
+    bound = bwd_rows.compiled(576, 512)[0]
+    lse2 = contract.lse_to_base2(t["lse"], t["attn_sink"]).contiguous()
+    rows = torch.arange(case.S, dtype=torch.int32, device="cuda")
+    nb = -(-case.L // bwd_plan.BOUND_BLOCK)
+
+    def run(whole, pieces, per):
+        delta = torch.full((case.B, case.S, case.H), math.nan, dtype=torch.float32, device="cuda")
+        hist = torch.zeros((case.B, case.Skv, bwd_plan.OCTAVES), dtype=torch.int32, device="cuda")
+        bound(t["q"], t["out"], t["grad_out"], t["kv"], t["indices"], t["topk_length"], lse2, rows, delta, hist,
+              float(t["sm_scale"]), whole, pieces, per)
+        return delta, hist
+
+    ref = run(case.S, 1, nb)
+    assert torch.isfinite(ref[0]).all() and int(ref[1].sum()) > 0
+    for split in [(0, nb, 1), (5, 2, 2), (8, 3, 2), (0, 1, nb)]:
+        got = run(*split)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), f"split (whole, pieces, per) = {split}"
