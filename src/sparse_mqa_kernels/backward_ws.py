@@ -6,7 +6,9 @@ shape, with a sender added):
 - WG0 gathers each block of ``topk_block`` valid KV rows (cp.async; an invalid slot's index is never an address),
   runs S = Q K^T and dP = dO V^T, P (0 on invalid slots) and dS = P (dP - Delta) sm_scale, and dq[:, :N0];
 - WG1 runs dq[:, N0:] and dkv^T = Q^T dS + dO^T P in ``NCH`` chunks of ``C`` columns (wgmma with the columns as M),
-  rounds each chunk to int32 at its KV row's scale (``bwd_rows``: 2**F_j, from the bound pass) and stages it;
+  rounds each chunk to int32 at its KV row's scale (``bwd_rows``: 2**F_j, from the bound pass) and stages it (its
+  dq product goes out with chunk 0's two, and KV is freed once that one is done; a chunk's two products share one
+  wait);
 - WG2 sends the staged rows with ``red.relaxed.gpu.global.add.u32`` (``smqa_send_block``): integer adds, so the sum
   is exact and order-free; a row no valid slot backs is never sent.
 
@@ -352,18 +354,23 @@ def build_program(key, trace: bool = False):
                     if trace:
                         if kb == 0:
                             stamp(stamps, "wg1_first")
-                    T.gemm(dS_shared, KV_shared[:, N0:dqk], acc_dq1)
+                    # dq's share and chunk 0's products go out together; KV is free once the first group is done
+                    T.wgmma_gemm(dS_shared, KV_shared[:, N0:dqk], acc_dq1)
                     # this block's rows and scales, read before WG0 may gather the next block
                     if tx - 128 < BI:
                         row_j = idx_shared[tx - 128]
                     for j in T.Parallel(BI):
                         scale_f[j] = scale_shared[j]
-                    T.barrier_arrive(bar_k_free)
                     for c in CHS:  # a Python tuple: the chunks unrolled (a range here would be a TIR loop)
-                        T.gemm(Q_shared[:, c * C:(c + 1) * C], dS_shared, acc_kvt, transpose_A=True,
-                               clear_accum=True)
+                        # a chunk's two products accumulate in flight, with one wait for both
+                        T.wgmma_gemm(Q_shared[:, c * C:(c + 1) * C], dS_shared, acc_kvt, transpose_A=True,
+                                     clear_accum=True)
                         if c * C < D:
-                            T.gemm(dO_shared[:, c * C:(c + 1) * C], P_shared, acc_kvt, transpose_A=True)
+                            T.wgmma_gemm(dO_shared[:, c * C:(c + 1) * C], P_shared, acc_kvt, transpose_A=True)
+                        if c == 0:
+                            T.wait_wgmma(2 if C < D else 1)
+                            T.barrier_arrive(bar_k_free)
+                        T.wait_wgmma(0)
                         if c > 0:
                             T.barrier_wait(bar_read, read_parity(kb, c, NCH))
                         else:

@@ -99,6 +99,23 @@ def test_sender_waits_by_the_global_chunk_count():
         assert waits == [(str(nch), str(c + 1)) for c in range(nch)], (dqk, waits)
 
 
+@pytest.mark.parametrize("dqk", [576, 512])
+def test_wg1_frees_kv_once_its_dq_product_is_done(dqk):
+    """WG1 issues its dq product (the only one that reads the KV tile) and chunk 0's two products together, frees KV
+    once at most those two are pending (``wait_wgmma<2>``: wgmma groups complete in order), and waits once a chunk
+    for both of its products; a wait of 3 or an arrive before the wait would let WG0 gather over a tile being read."""
+    nch = dqk // 64
+    body = _body(backward.kernel_source(bwd_plan.make_plan(1, 64, 128, 64, 64, dqk, 512).key()))
+    loop = body[body.index("bar_p[0].wait((kb_1 & 1));"):body.index("bar_pds_free[0].arrive();")]
+    commits = [m.start() for m in re.finditer(r"tl::warpgroup_commit_batch\(\);", loop)]
+    free = loop.index("bar_k_free[0].arrive();")
+    assert "KV_shared" in loop[:commits[0]] and "KV_shared" not in loop[commits[0]:], "only the dq product reads KV"
+    assert len([c for c in commits if c < free]) == 3
+    assert re.search(r"tl::wait_wgmma<2>\(\);\s*bar_k_free\[0\]\.arrive\(\);\s*tl::wait_wgmma<0>\(\);", loop)
+    assert loop.count("tl::wait_wgmma<0>();") == nch and "warpgroup_wait" not in loop
+    assert len(commits) == 1 + 2 * nch - (dqk > 512)  # the last chunk of 576 (columns past Dv) has no dO^T P
+
+
 def _unguarded_reductions(src: str) -> list[str]:
     """Bulk reductions into Acc whose destination row is not checked ``0 <= row`` just before (an invalid
     slot's index must never become an address). Every reduction must name its row buffer recognisably."""
