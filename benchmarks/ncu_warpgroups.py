@@ -1,9 +1,9 @@
 """Where a warp-specialised kernel's warps wait, warpgroup by warpgroup: Nsight Compute's per-instruction warp-state
 samples (the source page as CSV, SASS), summed over each role's code. A role's code starts at its ``setmaxnreg``
 (``USETMAXREG``), so the regions between them are the roles, in code order; the code before the first is the shared
-prologue. For each region: its share of all samples, its stall reasons, and its costliest instructions, with the
-instructions that form each mbarrier wait's address (``SYNCS.PHASECHK``, then a retry branch where the samples land),
-so the barrier can be told apart.
+prologue. For each region: its share of all samples, its stall reasons, the share spent at mbarrier waits (a
+``SYNCS.PHASECHK``, then a retry branch on its predicate where the samples land: ``wait_sites``), and its costliest
+instructions, with the instructions that form each wait's address, so the barrier can be told apart.
 
     ncu --clock-control none --profile-from-start off --set full --import-source no -k regex:sparse_mqa_bwd_ws -c 1 \\
         --export ws python benchmarks/profile_backward.py --backward tilelang --preset anchor --sink
@@ -20,6 +20,7 @@ import argparse
 import collections
 import csv
 import gzip
+import re
 import sys
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
@@ -59,22 +60,49 @@ def regions(ins) -> list[dict]:
     return [r for r in out if r["ins"]]
 
 
+def _writes(sass: str, pred: str) -> bool:
+    """Whether an instruction writes predicate ``pred``: SASS lists destinations first (a predicate destination can
+    follow a register one, as a carry-out)."""
+    ops = sass.lstrip("@!P0123456789T ").split(None, 1)
+    dests = ops[1].split(",")[:2] if len(ops) > 1 else []
+    return any(d.strip() == pred for d in dests)
+
+
+def wait_sites(body, window: int = 48) -> dict[int, int]:
+    """Index of each mbarrier wait's retry branch in a region's instructions -> index of its ``SYNCS.PHASECHK``: a
+    ``@!Pn BRA`` whose predicate was last written, within ``window`` instructions, by a ``SYNCS.PHASECHK`` (the
+    compiler may hoist the check well before the branch, where the waiting warps' samples land)."""
+    sites = {}
+    for k, item in enumerate(body):
+        m = re.match(r"@!(P\d)\s+BRA\b", item[1])
+        if not m:
+            continue
+        for j in range(k - 1, max(-1, k - 1 - window), -1):
+            if _writes(body[j][1], m.group(1)):
+                if body[j][1].startswith("SYNCS.PHASECHK"):
+                    sites[k] = j
+                break
+    return sites
+
+
 def report(ins, top: int = 8, context: int = 3) -> str:
     total = sum(i[2] for i in ins) or 1
     lines = []
     for reg in regions(ins):
         n = reg["samples"] or 1
+        body = reg["ins"]
+        sites = wait_sites(body)
         lines.append(f"== {reg['name']}: {reg['samples']} samples ({100 * reg['samples'] / total:.1f} % of all)")
         lines.append("   " + ", ".join(f"{k} {100 * v / n:.0f} %" for k, v in reg["reasons"].most_common(6)))
-        body = reg["ins"]
+        waited = sum(body[k][2] for k in sites)
+        lines.append(f"   at mbarrier waits: {100 * waited / n:.1f} % of its samples, {len(sites)} sites")
         for k in sorted(range(len(body)), key=lambda j: -body[j][2])[:top]:
             addr, sass, samples, executed, why = body[k]
             reason = max(why, key=why.get) if samples else "-"
             share = 100 * samples / n
             lines.append(f"   {samples:8d} ({share:4.1f} %) {hex(addr)} x{executed} {sass[:60]}  [{reason}]")
-            waits = [j for j in range(max(0, k - 12), k) if "SYNCS.PHASECHK" in body[j][1]]
-            if "BRA" in sass and waits:  # an mbarrier wait's retry branch: the wait and what formed its address
-                for a, s, *_ in body[max(0, waits[-1] - context):waits[-1] + 1]:
+            if k in sites:  # an mbarrier wait's retry branch: the wait and what formed its address
+                for a, s, *_ in body[max(0, sites[k] - context):sites[k] + 1]:
                     lines.append(f"        {hex(a)} {s[:70]}")
     return "\n".join(lines)
 

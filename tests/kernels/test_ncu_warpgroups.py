@@ -35,6 +35,24 @@ def test_roles_are_cut_at_setmaxnreg_and_waits_show_their_barrier(tmp_path):
     assert regs[1]["name"].startswith("role 1 (setmaxnreg DEALLOC") and regs[1]["reasons"]["long_sb"] == 31
     out = NCU.report(ins, top=2)
     assert "role 1 (setmaxnreg DEALLOC 0x38): 41 samples (41.0 % of all)" in out
+    assert "at mbarrier waits: 73.2 % of its samples, 1 sites" in out  # the retry branch's 30 of 41
+    assert "at mbarrier waits: 0.0 % of its samples, 0 sites" in out  # the HGMMA role waits at none
     assert "role 2 (setmaxnreg ALLOC 0xe0): 57 samples (57.0 % of all)" in out
     wait = out.index("@!P0  BRA 0x300")  # the barrier wait shown with the instruction that waits
     assert out.index("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R29+URZ], R28", wait) > wait
+
+
+def test_a_wait_is_its_branch_on_the_checks_predicate(tmp_path):
+    """A retry branch counts as an mbarrier wait when its predicate was last written by the ``SYNCS.PHASECHK``, even
+    with the check hoisted far above it; a branch on a predicate rewritten in between does not."""
+    fill = [(f"0x{0x200 + 16 * k:x}", "FMUL R1, R2, R3", 0, 0, 4, 0, 0, 0) for k in range(20)]
+    rows = [("0x100", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xd8", 0, 0, 4, 0, 0, 0),
+            ("0x110", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R18+URZ], R3", 1, 1, 4, 1, 0, 1)]
+    rows += fill + [("0x400", "@!P0  BRA 0x900", 40, 40, 4, 40, 0, 40),
+                    ("0x410", "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R19+URZ], R3", 0, 0, 4, 0, 0, 0),
+                    ("0x420", "ISETP.GE.AND P1, PT, R5, RZ, PT", 0, 0, 4, 0, 0, 0),
+                    ("0x430", "@!P1  BRA 0x980", 9, 9, 4, 9, 0, 9)]
+    ins = NCU.read(_page(tmp_path, rows))
+    body = NCU.regions(ins)[0]["ins"]
+    assert NCU.wait_sites(body) == {22: 1}
+    assert "at mbarrier waits: 80.0 % of its samples, 1 sites" in NCU.report(ins, top=1)
