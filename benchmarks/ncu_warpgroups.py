@@ -63,7 +63,7 @@ def regions(ins) -> list[dict]:
 def _writes(sass: str, pred: str) -> bool:
     """Whether an instruction writes predicate ``pred``: SASS lists destinations first (a predicate destination can
     follow a register one, as a carry-out)."""
-    ops = sass.lstrip("@!P0123456789T ").split(None, 1)
+    ops = re.sub(r"^@!?U?P[T0-9]+\s+", "", sass).split(None, 1)  # without the instruction's guard predicate
     dests = ops[1].split(",")[:2] if len(ops) > 1 else []
     return any(d.strip() == pred for d in dests)
 

@@ -367,8 +367,8 @@ def build_program(key, trace: bool = False):
                                      clear_accum=True)
                         if c * C < D:
                             T.wgmma_gemm(dO_shared[:, c * C:(c + 1) * C], P_shared, acc_kvt, transpose_A=True)
-                        if c == 0:
-                            T.wait_wgmma(2 if C < D else 1)
+                        if c == 0:  # its two products are the last two groups (chunk 0's columns are all < Dv)
+                            T.wait_wgmma(2)
                             T.barrier_arrive(bar_k_free)
                         T.wait_wgmma(0)
                         if c > 0:
