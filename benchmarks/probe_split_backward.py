@@ -171,6 +171,66 @@ def build_bound(BI=64, dqk=576):
     return lean_bound4
 
 
+def bound_macros(T, BI: int, HW: int, ROWS: int, dv: int, issue, add):
+    """The dP-exact bound's pieces, as T.macro: ``publish`` puts a block's gathered rows where the thread adding its
+    bounds reads them; ``products`` runs a warpgroup's S^T and dP^T on the block; ``bounds`` turns them into each
+    slot's bound over the warpgroup's heads, in shared memory; ``block_loop`` runs the blocks, ``add`` (a T.macro:
+    dest, batch, row, bound, ex) putting each valid slot's bound, times 1 + BOUND_MARGIN, into its KV row."""
+    PASSES = BI // ROWS
+    margin = 1.0 + bwd_plan.BOUND_MARGIN
+
+    @T.macro
+    def publish(idx2, jr, p, t):
+        for r in T.unroll(PASSES):
+            if t % 8 == 0:
+                idx2[p, r * ROWS + t // 8] = jr[r]
+
+    @T.macro
+    def products(Q_shared, dO_shared, KVt, acc, accp, w):
+        # this warpgroup's heads [HW w, HW w + HW) of the block: S^T and dP^T
+        T.gemm(KVt, Q_shared[w * HW:(w + 1) * HW, :], acc, transpose_B=True, clear_accum=True)
+        T.gemm(KVt[:, 0:dv], dO_shared[w * HW:(w + 1) * HW, :], accp, transpose_B=True, clear_accum=True)
+
+    @T.macro
+    def bounds(acc, accp, bsum, bs_s, lse_f, c_f, g_f, d_f, c2, w):
+        # each slot's bound over this warpgroup's heads (an invalid slot's, on whatever its tile row holds, is never
+        # added)
+        for j, h in T.Parallel(BI, HW):
+            acc[j, h] = T.exp2(acc[j, h] * c2 - lse_f[h]) * (c_f[h] * T.abs(accp[j, h] - d_f[h]) + g_f[h])
+        T.reduce_sum(acc, bsum, dim=1)
+        T.copy(bsum, bs_s[w, :])
+
+    @T.macro
+    def block_loop(Q_shared, dO_shared, KVt, KV, Indices, idx2, bs_s, nxt, jr, wg0, wg1, dest, ex, b_i, s_i, n_blk,
+                   n_valid, seq_kv, c2, tx, kb0=0):
+        # n_blk blocks from block kb0 (its copies issued and published to buffer 0 already): both warpgroups' products,
+        # the next block's copies under the bound arithmetic, each valid slot's bound handed to ``add``. wg0, wg1: a
+        # warpgroup's (acc, accp, bsum, lse, C, G, Delta) fragments
+        for i in T.serial(n_blk):
+            kb = kb0 + i
+            if i > 0:
+                T.ptx_wait_group(0)
+                T.fence_proxy_async()
+                T.sync_threads()
+            if tx < 128:
+                products(Q_shared, dO_shared, KVt, wg0[0], wg0[1], 0)
+            else:
+                products(Q_shared, dO_shared, KVt, wg1[0], wg1[1], 1)
+            T.sync_threads()  # both halves have read the tile: the next block's copies run under the arithmetic
+            issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb + 1, n_valid, seq_kv, tx)
+            if tx < 128:
+                bounds(wg0[0], wg0[1], wg0[2], bs_s, wg0[3], wg0[4], wg0[5], wg0[6], c2, 0)
+            else:
+                bounds(wg1[0], wg1[1], wg1[2], bs_s, wg1[3], wg1[4], wg1[5], wg1[6], c2, 1)
+            T.sync_threads()
+            if tx < BI:
+                if idx2[i % 2, tx] >= 0:
+                    add(dest, b_i, idx2[i % 2, tx], (bs_s[0, tx] + bs_s[1, tx]) * margin, ex)
+            publish(idx2, jr, 1 - i % 2, tx)
+
+    return publish, products, bounds, block_loop
+
+
 def build_bound_exact(BI=64, dqk=576, dv=512):
     """Design (a)'s bound pass with dP itself (``exact``): per valid slot, sum over heads of
     P (|scale| max|q_h| |dP - Delta_h| + max|dO_h|), bf16 P and dS covered by a 2**-7 margin, added to its KV row as
@@ -194,7 +254,7 @@ def build_bound_exact(BI=64, dqk=576, dv=512):
     def add(RowB, b_i, row, bound, ex):  # one int64 at the call's fixed point
         T.call_extern("handle", "smqa_red_u64", T.address_of(RowB[b_i, row]), T.cast(T.ceil(bound * ex), i64))
 
-    publish, products, bounds, block_loop = bwd_rows.bound_macros(T, BI, HW, ROWS, dv, issue, add)
+    publish, products, bounds, block_loop = bound_macros(T, BI, HW, ROWS, dv, issue, add)
 
     @T.macro
     def heads_init(lse_f, c_f, g_f, d_f, Lse2, C, Gm, Delta, b_i, s_i, h0, heads):

@@ -5,9 +5,9 @@ each term to an int32 multiple of 2**-F_j and adds the integers, so the sum is e
 every partial sum of the row inside int32, which a bound B_j on the row's total |contribution| gives:
 F_j = ROW_HEADROOM - ceil(log2 B_j) (``bwd_plan``).
 
-``sparse_mqa_bwd_bound`` (one block = one query x 64 heads, 256 threads; the last wave's queries split over several
-blocks by top-k block, ``BwdPlan.bound_split``) forms, per valid slot, the bound on each element of its dkv term,
-summed over the group's heads:
+``sparse_mqa_bwd_bound`` (one block = one query x 64 heads, 384 threads, ``build_bound``; the last wave's queries
+split over several blocks by top-k block, ``BwdPlan.bound_split``) forms, per valid slot, the bound on each element
+of its dkv term, summed over the group's heads:
 
     P_h (|sm_scale| max|q_h| |dP_h - Delta_h| + max|dO_h|) (1 + BOUND_MARGIN),
 
@@ -31,9 +31,13 @@ from sparse_mqa_testkit import contract
 from . import backward_ws, bwd_plan
 from .target import EXECUTION_BACKEND, TARGET
 
-HG, HW = 64, 32  # heads a block, heads a warpgroup
-THREADS = 256
-ROWS = THREADS // 8  # KV rows a gather pass: 8 threads a row, 16 bytes each
+HG = 64  # heads a block
+THREADS = 384  # three warpgroups
+ROWS = 128 // 8  # KV rows a pass of the producer's gather: 8 threads a row, 16 bytes each
+# registers per thread (setmaxnreg) of WG0 (q in registers), WG1 (dO) and the producer; the launch gives each 168
+NREG = (224, 224, 56)
+assert sum(NREG) == 3 * 168
+WG0_SUMS = 1  # WG0's named barrier
 SCALE_ROWS = 32  # KV rows a block of the row-scale kernel, one thread each
 SCALE_THREADS = 512  # the threads that copy a block's counts
 CONVERT_ROWS = 8  # KV rows a block of the conversion
@@ -47,6 +51,23 @@ __device__ __forceinline__ void smqa_octave_add(int* hist, float t) {
   int e = static_cast<int>(u >> 23);
   int b = e == 255 ? 256 : (e == 0 ? 1 : e + ((u & 0x7fffffu) != 0u));
   asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(hist + b) : "memory");
+}
+// a warpgroup's 64 x 64 wgmma accumulator summed over its rows (thread t holds rows 16 w + t % 32 / 4 and 8 more,
+// columns 8 k + 2 (t % 4) + e, at acc[4 k + 2 r + e]): the thread's two rows, its warp's eight row groups (xor 4, 8,
+// 16), then red[w * 64 + column], the four warps' sums for the caller to add in order
+__device__ __forceinline__ void smqa_col_sums(const float* acc, float* red, int t) {
+  int w = t >> 5, lane = t & 31;
+  #pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    #pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v = acc[4 * k + e] + acc[4 * k + 2 + e];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (lane < 4) red[w * 64 + 8 * k + 2 * lane + e] = v;
+    }
+  }
 }
 """
 # one rounding, to nearest even (sm_90); the bf16 type's constructor from double goes through float. The prelude sits
@@ -87,78 +108,28 @@ def gather_macros(T, BI: int, ROWS: int, dqk: int, ahead: int):
     return prefetch_rows, issue
 
 
-def bound_macros(T, BI: int, HW: int, ROWS: int, dv: int, issue, add):
-    """The dP-exact bound's pieces, as T.macro: ``publish`` puts a block's gathered rows where the thread adding its
-    bounds reads them; ``products`` runs a warpgroup's S^T and dP^T on the block; ``bounds`` turns them into each
-    slot's bound over the warpgroup's heads, in shared memory; ``block_loop`` runs the blocks, ``add`` (a T.macro:
-    dest, batch, row, bound, ex) putting each valid slot's bound, times 1 + BOUND_MARGIN, into its KV row."""
-    PASSES = BI // ROWS
-    margin = 1.0 + bwd_plan.BOUND_MARGIN
-
-    @T.macro
-    def publish(idx2, jr, p, t):
-        for r in T.unroll(PASSES):
-            if t % 8 == 0:
-                idx2[p, r * ROWS + t // 8] = jr[r]
-
-    @T.macro
-    def products(Q_shared, dO_shared, KVt, acc, accp, w):
-        # this warpgroup's heads [HW w, HW w + HW) of the block: S^T and dP^T
-        T.gemm(KVt, Q_shared[w * HW:(w + 1) * HW, :], acc, transpose_B=True, clear_accum=True)
-        T.gemm(KVt[:, 0:dv], dO_shared[w * HW:(w + 1) * HW, :], accp, transpose_B=True, clear_accum=True)
-
-    @T.macro
-    def bounds(acc, accp, bsum, bs_s, lse_f, c_f, g_f, d_f, c2, w):
-        # each slot's bound over this warpgroup's heads (an invalid slot's, on whatever its tile row holds, is never
-        # added)
-        for j, h in T.Parallel(BI, HW):
-            acc[j, h] = T.exp2(acc[j, h] * c2 - lse_f[h]) * (c_f[h] * T.abs(accp[j, h] - d_f[h]) + g_f[h])
-        T.reduce_sum(acc, bsum, dim=1)
-        T.copy(bsum, bs_s[w, :])
-
-    @T.macro
-    def block_loop(Q_shared, dO_shared, KVt, KV, Indices, idx2, bs_s, nxt, jr, wg0, wg1, dest, ex, b_i, s_i, n_blk,
-                   n_valid, seq_kv, c2, tx, kb0=0):
-        # n_blk blocks from block kb0 (its copies issued and published to buffer 0 already): both warpgroups' products,
-        # the next block's copies under the bound arithmetic, each valid slot's bound handed to ``add``. wg0, wg1: a
-        # warpgroup's (acc, accp, bsum, lse, C, G, Delta) fragments
-        for i in T.serial(n_blk):
-            kb = kb0 + i
-            if i > 0:
-                T.ptx_wait_group(0)
-                T.fence_proxy_async()
-                T.sync_threads()
-            if tx < 128:
-                products(Q_shared, dO_shared, KVt, wg0[0], wg0[1], 0)
-            else:
-                products(Q_shared, dO_shared, KVt, wg1[0], wg1[1], 1)
-            T.sync_threads()  # both halves have read the tile: the next block's copies run under the arithmetic
-            issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb + 1, n_valid, seq_kv, tx)
-            if tx < 128:
-                bounds(wg0[0], wg0[1], wg0[2], bs_s, wg0[3], wg0[4], wg0[5], wg0[6], c2, 0)
-            else:
-                bounds(wg1[0], wg1[1], wg1[2], bs_s, wg1[3], wg1[4], wg1[5], wg1[6], c2, 1)
-            T.sync_threads()
-            if tx < BI:
-                if idx2[i % 2, tx] >= 0:
-                    add(dest, b_i, idx2[i % 2, tx], (bs_s[0, tx] + bs_s[1, tx]) * margin, ex)
-            publish(idx2, jr, 1 - i % 2, tx)
-
-    return publish, products, bounds, block_loop
-
-
 # trace=True: a timing probe's build (``benchmarks/trace_backward.py``): thread 0's int64 stamps, slot k over
 # Delta[.., 2k] (so that build's Delta is not the kernel's)
 TRACE_SLOTS = ("start", "query_ready", "prep_done", "loop_start", "loop_end", "smid", "blocks")
 
 
+def tile_parity(i):
+    """The parity of the bound pass's mbarrier phase for block i on its KV tile (tile i % 2, used by every other
+    block: the tile's full / free barriers complete once a use). ``i`` an int or a TIR expression."""
+    return (i // 2) & 1
+
+
 def build_bound(dqk: int, dv: int, trace: bool = False):
     """``sparse_mqa_bwd_bound``: Delta, and each valid slot's bound counted in its KV row's octave (module docstring).
 
-    S^T = K Q^T and dP^T = V dO^T as [BI slots x 32 heads] tiles: both warpgroups work on the same block, each on
-    half the heads, since q and dO in shared memory leave room for one KV tile; the halves' sums meet in shared
-    memory. The next block's copies go out once both products have read the tile, under the bound arithmetic; its
-    indices were read a block earlier. ``trace``: a timing probe's build (``TRACE_SLOTS``), never the backend's."""
+    Three warpgroups. WG0 runs S = q K^T and WG1 dP = dO V^T, each [64 heads x BI slots] with its query rows in
+    registers (wgmma's A operand): shared memory then holds two KV tiles, the second one and the hand-over buffer over
+    q and dO once both are in registers. The producer gathers block i into tile i % 2 as soon as WG0 is done with
+    block i - 2 there; its copies arrive on the tile's mbarrier as they land (cp.async.mbarrier.arrive). WG1 hands WG0 each element's |sm_scale| max|q_h| |dP - Delta_h| + max|dO_h| through shared
+    memory; WG0 multiplies it by P, sums over heads in a fixed order (``smqa_col_sums``, then its four warps in turn)
+    and counts each valid slot. Hand-overs are mbarriers: full / free (a tile; ``tile_parity``), exfull / exfree (the
+    hand-over buffer). Registers move from the producer to WG0 and WG1 with setmaxnreg (``NREG``). ``trace``: a timing
+    probe's build (``TRACE_SLOTS``), never the backend's."""
     import tilelang.language as T
 
     BI = bwd_plan.BOUND_BLOCK
@@ -167,15 +138,26 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
+    margin = 1.0 + bwd_plan.BOUND_MARGIN
     load_query = backward_ws.query_tiles(T, HG)
     prefetch_rows, issue = gather_macros(T, BI, ROWS, dqk, ahead=1)
+    trace_alloc, stamp, stamp_end, put = backward_ws.tracing(T, TRACE_SLOTS)
+
+    assert HG * BI <= HG * dv // 2  # the hand-over fits over dO
+
+    def ex_at(h, j):
+        # (h, j)'s place in the hand-over buffer: t + 128 k for the thread t and index k that hold it in the wgmma
+        # accumulator's layout (smqa_col_sums), so a warp's stores and loads are 128 consecutive bytes
+        t = (h // 16) * 32 + (h % 8) * 4 + (j % 8) // 2
+        k = (j // 8) * 4 + ((h % 16) // 8) * 2 + j % 2
+        return k * 128 + t
 
     @T.macro
-    def add(Hist, b_i, row, bound, ex):  # counted in the row's octave
-        T.call_extern("handle", "smqa_octave_add", T.address_of(Hist[b_i, row, 0]), bound)
-
-    publish, products, bounds, block_loop = bound_macros(T, BI, HW, ROWS, dv, issue, add)
-    trace_alloc, stamp, stamp_end, put = backward_ws.tracing(T, TRACE_SLOTS)
+    def publish(idx2, jr, p, t):
+        # the rows ``issue`` copied into tile p, for the thread that counts their bounds
+        for r in T.unroll(PASSES):
+            if t % 8 == 0:
+                idx2[p, r * ROWS + t // 8] = jr[r]
 
     @T.macro
     def out_rows(O, ob, b_i, s_i, h0, heads, tx):
@@ -211,16 +193,6 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                 c_s[h] = T.if_then_else(h0 + h < heads, sm_abs * st[2], 0.0)
                 g_s[h] = T.if_then_else(h0 + h < heads, st[1], 0.0)
 
-    @T.macro
-    def heads_init(lse_f, c_f, g_f, d_f, Lse2, c_s, g_s, delta_s, b_i, s_i, h0, w, heads):
-        # padded heads: lse +inf, so P = 0 there
-        for h in T.Parallel(HW):
-            lse_f[h] = T.if_then_else(h0 + w * HW + h < heads, Lse2[b_i, s_i, T.min(h0 + w * HW + h, heads - 1)],
-                                      T.infinity(f32))
-            c_f[h] = c_s[w * HW + h]
-            g_f[h] = g_s[w * HW + h]
-            d_f[h] = delta_s[w * HW + h]
-
     @T.prim_func
     def sparse_mqa_bwd_bound(
         Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
@@ -245,24 +217,35 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                       prelude=PRELUDE + (backward_ws.TRACE_PRELUDE if trace else "")) as (bx, by, bz):
             Q_shared = T.alloc_shared([HG, dqk], bf16)
             dO_shared = T.alloc_shared([HG, dv], bf16)
-            KVt = T.alloc_shared([BI, dqk], bf16)
+            KVa = T.alloc_shared([BI, dqk], bf16)  # even blocks
+            # once q and dO are in registers: odd blocks' tile over q, the hand-over buffer (WG1's factor for each
+            # (head, slot), at ex_at) over dO
+            KVb = T.view(Q_shared, [BI, dqk], bf16)
+            ex = T.view(dO_shared, [HG * dv // 2], f32)
+            red_s = T.alloc_shared([4 * BI], f32)  # WG0's four warps' sums over their heads
             idx2 = T.alloc_shared([2, BI], i32)
-            bs_s = T.alloc_shared([2, BI], f32)
             delta_s = T.alloc_shared([HG], f32)
             c_s = T.alloc_shared([HG], f32)
             g_s = T.alloc_shared([HG], f32)
-            acc0, acc1 = T.alloc_fragment([BI, HW], f32), T.alloc_fragment([BI, HW], f32)
-            accp0, accp1 = T.alloc_fragment([BI, HW], f32), T.alloc_fragment([BI, HW], f32)
-            bsum0, bsum1 = T.alloc_fragment([BI], f32), T.alloc_fragment([BI], f32)
-            lse0, lse1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
-            c0, c1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
-            g0, g1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
-            d0, d1 = T.alloc_fragment([HW], f32), T.alloc_fragment([HW], f32)
+            q_f = T.alloc_fragment([HG, dqk], bf16)  # WG0's
+            do_f = T.alloc_fragment([HG, dv], bf16)  # WG1's
+            acc = T.alloc_fragment([HG, BI], f32)  # WG0: S, then P, then its terms
+            accp = T.alloc_fragment([HG, BI], f32)  # WG1: dP
+            lse_f = T.alloc_fragment([HG], f32)
+            c_f = T.alloc_fragment([HG], f32)
+            g_f = T.alloc_fragment([HG], f32)
+            d_f = T.alloc_fragment([HG], f32)
             nxt = T.alloc_local([PASSES], i32)
             jr = T.alloc_local([PASSES], i32)
             ob = T.alloc_local([HG // 8 * dv // 32], bf16)  # this thread's out columns of its warp's 8 heads
             st = T.alloc_local([3], f32)
             bar_q = T.alloc_barrier(arrive_count=1)  # q and dO landed (TMA)
+            # the producer's copies into a tile have landed: 128 cp.async arrivals and 128 plain ones
+            bar_full = T.alloc_barrier(arrive_count=[256, 256])
+            bar_free = T.alloc_barrier(arrive_count=[128, 128])  # WG0 is done with a tile and its rows
+            bar_exfull = T.alloc_barrier(arrive_count=128)  # WG1 has written ex
+            bar_exfree = T.alloc_barrier(arrive_count=128)  # WG0 has read it
+            bar_regs = T.alloc_barrier(arrive_count=256)  # WG0 and WG1 have q and dO in registers
             if trace:
                 stamps = trace_alloc()
                 stamp(stamps, "start")
@@ -276,39 +259,101 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             kb1 = T.if_then_else(bx < whole, T.ceildiv(n_valid, BI), T.min(kb0 + per_piece, T.ceildiv(n_valid, BI)))
             n_blk = T.max(kb1 - kb0, 0)
             n_mine = T.min(n_valid, kb1 * BI)  # slots past this piece's blocks are the next piece's: not copied here
-            prefetch_rows(nxt, Indices, b_i, s_i, kb0, n_mine, tx)
-            issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb0, n_mine, seq_kv, tx)
+            if tx >= 256:  # block 0's copies fly with q and dO
+                prefetch_rows(nxt, Indices, b_i, s_i, kb0, n_mine, tx - 256)
+                issue(KVa, KV, nxt, jr, Indices, b_i, s_i, kb0, n_mine, seq_kv, tx - 256)
+                publish(idx2, jr, 0, tx - 256)
+                T.cp_async_barrier_noinc(bar_full[0])
+                T.barrier_arrive(bar_full[0])
             load_query(Q, dO, Q_shared, dO_shared, bar_q, b_i, s_i, h0)
-            out_rows(O, ob, b_i, s_i, h0, heads, tx)
-            publish(idx2, jr, 0, tx)
-            T.ptx_wait_group(0)  # the first block, then q and dO, in shared memory
+            if tx < 256:
+                out_rows(O, ob, b_i, s_i, h0, heads, tx)
             T.mbarrier_wait_parity(bar_q, 0)
             T.sync_threads()
             if trace:
                 stamp(stamps, "query_ready")
-            heads_prep(Q_shared, dO_shared, delta_s, c_s, g_s, ob, st, h0, heads, T.abs(sm_scale), tx)
+            if tx < 256:
+                heads_prep(Q_shared, dO_shared, delta_s, c_s, g_s, ob, st, h0, heads, T.abs(sm_scale), tx)
             T.sync_threads()
             if trace:
                 stamp(stamps, "prep_done")
             if T.And(T.And(tx < HG, h0 + tx < heads), kb0 == 0):  # a row's first piece writes its Delta
                 Delta[b_i, s_i, h0 + tx] = delta_s[tx]
             if tx < 128:
-                heads_init(lse0, c0, g0, d0, Lse2, c_s, g_s, delta_s, b_i, s_i, h0, 0, heads)
+                T.set_max_nreg(NREG[0], 1)
+                T.copy(Q_shared, q_f)
+                T.barrier_arrive(bar_regs)  # then KVb and ex (over q and dO) may be written
+                # padded heads: lse +inf, so P = 0 there
+                for h in T.Parallel(HG):
+                    lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, T.min(h0 + h, heads - 1)],
+                                              T.infinity(f32))
+                if trace:
+                    stamp(stamps, "loop_start")
+                for i in T.serial(n_blk):
+                    p = i % 2
+                    T.barrier_wait(bar_full[p], tile_parity(i))
+                    T.fence_proxy_async()
+                    if p == 0:
+                        T.wgmma_gemm(q_f, KVa, acc, transpose_B=True, clear_accum=True)
+                    else:
+                        T.wgmma_gemm(q_f, KVb, acc, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    # a slot no valid row backs holds whatever its tile row held: its column is never counted
+                    for h, j in T.Parallel(HG, BI):
+                        acc[h, j] = T.exp2(acc[h, j] * c2 - lse_f[h])
+                    T.barrier_wait(bar_exfull, i & 1)
+                    for h, j in T.Parallel(HG, BI):
+                        acc[h, j] = acc[h, j] * ex[ex_at(h, j)]
+                    T.barrier_arrive(bar_exfree)
+                    T.call_extern("handle", "smqa_col_sums", acc.data, T.address_of(red_s[0]), tx)
+                    T.sync_threads(WG0_SUMS, 128)
+                    if tx < BI:
+                        if idx2[p, tx] >= 0:
+                            T.call_extern("handle", "smqa_octave_add", T.address_of(Hist[b_i, idx2[p, tx], 0]),
+                                          (red_s[tx] + red_s[BI + tx] + red_s[2 * BI + tx] + red_s[3 * BI + tx])
+                                          * margin)
+                    T.sync_threads(WG0_SUMS, 128)  # the sums are read before the next block's sums go in
+                    T.barrier_arrive(bar_free[p])
+                if trace:
+                    stamp_end(stamps, "loop_end", n_blk)
+                    T.sync_threads(WG0_SUMS, 128)  # WG0's Delta writes are done: the stamps go over them
+                    if tx == 0:
+                        put(stamps, TRACE_SLOTS, lambda k: Delta[b_i, s_i, h0 + 2 * k])
+            elif tx < 256:
+                T.set_max_nreg(NREG[1], 1)
+                T.copy(dO_shared, do_f)
+                T.barrier_arrive(bar_regs)
+                for h in T.Parallel(HG):
+                    c_f[h] = c_s[h]
+                    g_f[h] = g_s[h]
+                    d_f[h] = delta_s[h]
+                for i in T.serial(n_blk):
+                    p = i % 2
+                    T.barrier_wait(bar_full[p], tile_parity(i))
+                    T.fence_proxy_async()
+                    if p == 0:
+                        T.wgmma_gemm(do_f, KVa[:, 0:dv], accp, transpose_B=True, clear_accum=True)
+                    else:
+                        T.wgmma_gemm(do_f, KVb[:, 0:dv], accp, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    if i > 0:
+                        T.barrier_wait(bar_exfree, (i - 1) & 1)
+                    for h, j in T.Parallel(HG, BI):
+                        ex[ex_at(h, j)] = c_f[h] * T.abs(accp[h, j] - d_f[h]) + g_f[h]
+                    T.barrier_arrive(bar_exfull)
             else:
-                heads_init(lse1, c1, g1, d1, Lse2, c_s, g_s, delta_s, b_i, s_i, h0, 1, heads)
-            T.ptx_wait_group(0)
-            T.fence_proxy_async()
-            T.sync_threads()
-            if trace:
-                stamp(stamps, "loop_start")
-            block_loop(Q_shared, dO_shared, KVt, KV, Indices, idx2, bs_s, nxt, jr,
-                       (acc0, accp0, bsum0, lse0, c0, g0, d0), (acc1, accp1, bsum1, lse1, c1, g1, d1), Hist, 1.0,
-                       b_i, s_i, n_blk, n_mine, seq_kv, c2, tx, kb0)
-            if trace:
-                stamp_end(stamps, "loop_end", n_blk)
-                T.sync_threads()  # every Delta write is done: the stamps go over them
-                if tx == 0:
-                    put(stamps, TRACE_SLOTS, lambda k: Delta[b_i, s_i, h0 + 2 * k])
+                T.set_max_nreg(NREG[2], 0)
+                T.barrier_wait(bar_regs, 0)
+                for i in T.serial(1, n_blk):  # block i into tile i % 2 once WG0 is done with block i - 2 there
+                    if i >= 2:
+                        T.barrier_wait(bar_free[i % 2], tile_parity(i - 2))
+                    if i % 2 == 0:
+                        issue(KVa, KV, nxt, jr, Indices, b_i, s_i, kb0 + i, n_mine, seq_kv, tx - 256)
+                    else:
+                        issue(KVb, KV, nxt, jr, Indices, b_i, s_i, kb0 + i, n_mine, seq_kv, tx - 256)
+                    publish(idx2, jr, i % 2, tx - 256)
+                    T.cp_async_barrier_noinc(bar_full[i % 2])
+                    T.barrier_arrive(bar_full[i % 2])
 
     return sparse_mqa_bwd_bound
 

@@ -191,26 +191,50 @@ def test_variant_keys_choose_the_body():
 
 @pytest.mark.parametrize("dims", [(576, 512), (512, 512)], ids=["576", "512"])
 def test_row_scale_kernels_compile_without_float_atomics(dims):
-    """``bwd_rows``: the bound pass runs S^T and dP^T as [64 slots x 32 heads] tiles (each warpgroup half the heads),
-    copies q and dO by TMA and waits for them before its prologue forms and writes Delta, and counts each slot's
-    bound with one integer add (``smqa_octave_add``: red.add.u32), into its row's octave counts only; the row scales
-    use no atomic; the conversion rounds float64 to bf16 once (cvt.rn.bf16.f64)."""
+    """``bwd_rows``: the bound pass runs S (WG0) and dP (WG1) as [64 heads x 64 slots] wgmma with q and dO in
+    registers (only register-A products, each over its whole head dim, once for each of the two KV tiles), copies q
+    and dO by TMA and waits for them before its prologue forms and writes Delta, and counts each slot's bound with one
+    integer add (``smqa_octave_add``: red.add.u32), into its row's octave counts only, after a fixed-order sum over
+    heads (``smqa_col_sums``); shared memory fits an sm_90 block (the second tile and the hand-over over q and dO).
+    The row scales use no atomic; the conversion rounds float64 to bf16 once (cvt.rn.bf16.f64)."""
     from sparse_mqa_kernels import bwd_rows
+    from sparse_mqa_kernels.target import SMEM_LIMIT
 
+    dqk, dv = dims
     bound, scales, convert = (k.get_kernel_source() for k in bwd_rows.compiled(*dims))
     body = _body(bound)
     assert "sparse_mqa_bwd_bound_kernel" in body
-    assert set(re.findall(r"wgmma_ss<[^,]+, [^,]+, [^,]+, (\d+), (\d+), 16", body)) == {("64", "32")}
-    assert set(re.findall(r"((?:sparse_mqa|smqa)_\w+)\(\(", body)) == {"smqa_octave_add"}
+    assert "wgmma_ss<" not in body
+    products = re.findall(r"for \(int (ki\w*) = 0; \1 < (\d+); \+\+\1\) \{\s*tl::wgmma_rs<[^,]+, [^,]+, [^,]+, (\d+), "
+                          r"(\d+), 16, [^>]*>\(reinterpret_cast<const uint32_t\*>\((\w+) \+", body)
+    assert sorted((int(n), m, k, a) for _, n, m, k, a in products) == sorted(
+        [(dqk // 16, "64", "64", "q_f")] * 2 + [(dv // 16, "64", "64", "do_f")] * 2)
+    assert set(re.findall(r"(smqa_\w+)\(", body)) == {"smqa_octave_add", "smqa_col_sums"}
     assert "globaltimer" not in bound and "stamps" not in body  # the timing probe's build only
     assert set(re.findall(r"smqa_octave_add\(\(&\((\w+)\[", body)) == {"Hist"}
     assert set(re.findall(r"(?:red|atom)\.[\w.]+", bound)) == {"red.relaxed.gpu.global.add.u32"}
     wait = _tma_query(body, *dims)
-    assert body.index("tl::cp_async_wait<0>()") < wait < body.index("Delta[")  # the first block's rows, q and dO
+    assert wait < body.index("Delta[") < body.index("wgmma_rs")  # q and dO before Delta, both before the products
     # a row split over blocks (bwd_plan.bound_split): its first piece (top-k block 0) alone writes Delta
     assert re.search(r"&& \((condval_\d+) == 0\)\) \{\s*if \(\(s_i < seq_len\) && \(0 <= s_i\)\) \{\s*Delta\[", body)
     assert "int per_piece, int pieces" in body and "int whole" in body
     assert "tl::warp_reduce_sum" in body
+    # each named barrier belongs to one warpgroup: WG0's loop, WG1's, the producer's (its prologue share included)
+    wg0 = body.index("warpgroup_reg_alloc", wait)
+    wg1 = body.index("warpgroup_reg_alloc", wg0 + 1)
+    producer = body.index("warpgroup_reg_dealloc", wg1)
+    ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", part))
+           for part in (body[wg0:wg1], body[wg1:producer], body[:wg0] + body[producer:])]
+    assert all(ids) and not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2]), ids
+    assert not re.search(r"__sync_thread_partial\(\d+, (?!128\))", body)
+    # q lands where odd blocks' tile goes, dO where the hand-over buffer goes (T.view): three big buffers in all
+    assert re.search(r"tma_load\(Q_desc, \w+\[0\], \(&\(\(\(bfloat16_t\*\)KVb\)", body)
+    assert re.search(r"tma_load\(dO_desc, \w+\[0\], \(&\(\(\(bfloat16_t\*\)ex\)", body)
+    shared = r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);"
+    offsets = {m[0]: int(m[1]) for m in re.findall(shared, body)}
+    sizes = {"KVa": 64 * dqk * 2, "KVb": 64 * dqk * 2, "ex": 64 * dv * 2, "red_s": 4 * 64 * 4, "idx2": 2 * 64 * 4,
+             "delta_s": 256, "c_s": 256, "g_s": 256}
+    assert set(offsets) == set(sizes) and max(offsets[b] + sizes[b] for b in sizes) <= SMEM_LIMIT
     for src in (scales, convert):
         assert "atomic" not in src.lower() and "red." not in src
     assert "cvt.rn.bf16.f64" in convert and "smqa_store_bf16_f64((&(dKV[" in _body(convert)
