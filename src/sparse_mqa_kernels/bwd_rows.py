@@ -125,11 +125,12 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
     Three warpgroups. WG0 runs S = q K^T and WG1 dP = dO V^T, each [64 heads x BI slots] with its query rows in
     registers (wgmma's A operand): shared memory then holds two KV tiles, the second one and the hand-over buffer over
     q and dO once both are in registers. The producer gathers block i into tile i % 2 as soon as WG0 is done with
-    block i - 2 there; its copies arrive on the tile's mbarrier as they land (cp.async.mbarrier.arrive). WG1 hands WG0 each element's |sm_scale| max|q_h| |dP - Delta_h| + max|dO_h| through shared
-    memory; WG0 multiplies it by P, sums over heads in a fixed order (``smqa_col_sums``, then its four warps in turn)
-    and counts each valid slot. Hand-overs are mbarriers: full / free (a tile; ``tile_parity``), exfull / exfree (the
-    hand-over buffer). Registers move from the producer to WG0 and WG1 with setmaxnreg (``NREG``). ``trace``: a timing
-    probe's build (``TRACE_SLOTS``), never the backend's."""
+    block i - 2 there; its copies arrive on the tile's mbarrier as they land (cp.async.mbarrier.arrive). WG1 hands
+    WG0 each element's |sm_scale| max|q_h| |dP - Delta_h| + max|dO_h| through shared memory; WG0 multiplies it by P,
+    sums over heads in a fixed order (``smqa_col_sums``, then its four warps in turn) and counts each valid slot.
+    Hand-overs are mbarriers: full / free (a tile; ``tile_parity``), exfull / exfree (the hand-over buffer).
+    Registers move from the producer to WG0 and WG1 with setmaxnreg (``NREG``). ``trace``: a timing probe's build
+    (``TRACE_SLOTS``), never the backend's."""
     import tilelang.language as T
 
     BI = bwd_plan.BOUND_BLOCK
