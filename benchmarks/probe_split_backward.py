@@ -171,6 +171,8 @@ def build_bound(BI=64, dqk=576):
     return lean_bound4
 
 
+# the backend's bound pass until 9e4dfcc (S^T and dP^T as [64 slots x 32 heads] tiles, one KV tile), which ``exact``
+# builds on
 def bound_macros(T, BI: int, HW: int, ROWS: int, dv: int, issue, add):
     """The dP-exact bound's pieces, as T.macro: ``publish`` puts a block's gathered rows where the thread adding its
     bounds reads them; ``products`` runs a warpgroup's S^T and dP^T on the block; ``bounds`` turns them into each

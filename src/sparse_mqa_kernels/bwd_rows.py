@@ -220,7 +220,8 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             dO_shared = T.alloc_shared([HG, dv], bf16)
             KVa = T.alloc_shared([BI, dqk], bf16)  # even blocks
             # once q and dO are in registers: odd blocks' tile over q, the hand-over buffer (WG1's factor for each
-            # (head, slot), at ex_at) over dO
+            # (head, slot), at ex_at) over dO. TileLang indexes a view through its tile's layout, so only TileLang
+            # accesses may touch them (a raw pointer into ex would miss that mapping)
             KVb = T.view(Q_shared, [BI, dqk], bf16)
             ex = T.view(dO_shared, [HG * dv // 2], f32)
             red_s = T.alloc_shared([4 * BI], f32)  # WG0's four warps' sums over their heads
