@@ -9,22 +9,10 @@ The three warpgroups are simulated step by step under several schedules, with PT
 passes once the barrier's current phase has parity other than p): no hang, no tile or buffer overwritten before it
 is read, for a query's block counts 0-6."""
 
-import random
-
 import pytest
+from protocol_sim import Barrier, schedule
 
 from sparse_mqa_kernels.bwd_rows import tile_parity
-
-
-class Barrier:
-    def __init__(self):
-        self.phase = 0
-
-    def arrive(self):
-        self.phase += 1
-
-    def passes(self, parity):
-        return (self.phase & 1) != parity
 
 
 def run(n_blk, tile_parity, policy, seed=0):
@@ -84,26 +72,9 @@ def run(n_blk, tile_parity, policy, seed=0):
             free[p].arrive()
             yield True
 
-    parties, rng = {"wg0": wg0(), "wg1": wg1(), "producer": producer()}, random.Random(seed)
-    firsts = {"wg0 first": ("wg0", "wg1", "producer"), "producer first": ("producer", "wg1", "wg0")}
-    try:
-        while parties:
-            order = [n for n in firsts.get(policy, firsts["wg0 first"]) if n in parties]
-            if policy == "random":
-                rng.shuffle(order)
-            for name in order:
-                try:
-                    moved = next(parties[name])
-                except StopIteration:
-                    del parties[name]
-                    break
-                if moved:
-                    break
-            else:
-                return f"deadlock: {', '.join(sorted(parties))} waiting, WG0 done through block {s['wg0_done']}"
-    except AssertionError as exc:
-        return str(exc)
-    return None
+    order = ("producer", "wg1", "wg0") if policy == "producer first" else ("wg0", "wg1", "producer")
+    return schedule({"wg0": wg0(), "wg1": wg1(), "producer": producer()}, order, policy, seed,
+                    lambda: f"WG0 done through block {s['wg0_done']}")
 
 
 @pytest.mark.parametrize("policy", ["wg0 first", "producer first", "random"])

@@ -7,22 +7,10 @@ for a phase already gone (the kernel hangs: it did at Dqk 512, an even chunk cou
 The two parties are simulated step by step under several schedules, with PTX's parity rule: a wait on parity p
 passes once the barrier's current phase has parity other than p."""
 
-import random
-
 import pytest
+from protocol_sim import Barrier, schedule
 
 from sparse_mqa_kernels.backward_ws import read_parity
-
-
-class Barrier:
-    def __init__(self):
-        self.phase = 0
-
-    def arrive(self):
-        self.phase += 1
-
-    def passes(self, parity):
-        return (self.phase & 1) != parity
 
 
 def run(n_blk, nch, read_parity, policy, seed=0):
@@ -55,26 +43,9 @@ def run(n_blk, nch, read_parity, policy, seed=0):
                 read.arrive()
                 yield True
 
-    parties, rng = {"stager": stager(), "sender": sender()}, random.Random(seed)
-    try:
-        while parties:
-            order = [n for n in (("sender", "stager") if policy == "sender first" else ("stager", "sender"))
-                     if n in parties]
-            if policy == "random":
-                rng.shuffle(order)
-            for name in order:
-                try:
-                    moved = next(parties[name])
-                except StopIteration:
-                    del parties[name]
-                    break
-                if moved:
-                    break
-            else:
-                return f"deadlock: {', '.join(sorted(parties))} waiting, {read.phase} chunks read"
-    except AssertionError as exc:
-        return str(exc)
-    return None
+    order = ("sender", "stager") if policy == "sender first" else ("stager", "sender")
+    return schedule({"stager": stager(), "sender": sender()}, order, policy, seed,
+                    lambda: f"{read.phase} chunks read")
 
 
 @pytest.mark.parametrize("nch", [8, 9])  # Dqk 512 and 576 in 64-column chunks
