@@ -10,8 +10,8 @@ passes once the barrier's current phase has parity other than p): no hang, no ti
 is read, for a query's block counts 0-6."""
 
 import pytest
-from protocol_sim import Barrier, schedule
 
+from protocol_sim import Barrier, schedule
 from sparse_mqa_kernels.bwd_rows import tile_parity
 
 

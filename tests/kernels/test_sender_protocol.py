@@ -8,8 +8,8 @@ The two parties are simulated step by step under several schedules, with PTX's p
 passes once the barrier's current phase has parity other than p."""
 
 import pytest
-from protocol_sim import Barrier, schedule
 
+from protocol_sim import Barrier, schedule
 from sparse_mqa_kernels.backward_ws import read_parity
 
 
