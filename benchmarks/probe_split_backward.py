@@ -62,7 +62,7 @@ def build_bound(BI=64, dqk=576):
     log2e = contract.LOG2E
     load_query, _ = WIDE.query_tiles(T, dqk, 0, HG)  # q only
 
-    prefetch_rows, issue = bwd_rows.gather_macros(T, BI, ROWS, dqk, ahead=2)  # a warpgroup's next block is two ahead
+    prefetch_rows, issue, _ = bwd_rows.gather_macros(T, BI, ROWS, dqk, ahead=2)  # a warpgroup's next block: 2 ahead
 
     @T.macro
     def publish(idx3, jr, w, p, t):
@@ -173,19 +173,12 @@ def build_bound(BI=64, dqk=576):
 
 # the backend's bound pass until 9e4dfcc (S^T and dP^T as [64 slots x 32 heads] tiles, one KV tile), which ``exact``
 # builds on
-def bound_macros(T, BI: int, HW: int, ROWS: int, dv: int, issue, add):
-    """The dP-exact bound's pieces, as T.macro: ``publish`` puts a block's gathered rows where the thread adding its
-    bounds reads them; ``products`` runs a warpgroup's S^T and dP^T on the block; ``bounds`` turns them into each
-    slot's bound over the warpgroup's heads, in shared memory; ``block_loop`` runs the blocks, ``add`` (a T.macro:
-    dest, batch, row, bound, ex) putting each valid slot's bound, times 1 + BOUND_MARGIN, into its KV row."""
-    PASSES = BI // ROWS
+def bound_macros(T, BI: int, HW: int, dv: int, issue, publish, add):
+    """The dP-exact bound's pieces, as T.macro: ``products`` runs a warpgroup's S^T and dP^T on the block; ``bounds``
+    turns them into each slot's bound over the warpgroup's heads, in shared memory; ``block_loop`` runs the blocks
+    (``issue`` and ``publish`` from ``bwd_rows.gather_macros``), ``add`` (a T.macro: dest, batch, row, bound, ex)
+    putting each valid slot's bound, times 1 + BOUND_MARGIN, into its KV row."""
     margin = 1.0 + bwd_plan.BOUND_MARGIN
-
-    @T.macro
-    def publish(idx2, jr, p, t):
-        for r in T.unroll(PASSES):
-            if t % 8 == 0:
-                idx2[p, r * ROWS + t // 8] = jr[r]
 
     @T.macro
     def products(Q_shared, dO_shared, KVt, acc, accp, w):
@@ -230,7 +223,7 @@ def bound_macros(T, BI: int, HW: int, ROWS: int, dv: int, issue, add):
                     add(dest, b_i, idx2[i % 2, tx], (bs_s[0, tx] + bs_s[1, tx]) * margin, ex)
             publish(idx2, jr, 1 - i % 2, tx)
 
-    return publish, products, bounds, block_loop
+    return products, bounds, block_loop
 
 
 def build_bound_exact(BI=64, dqk=576, dv=512):
@@ -250,13 +243,13 @@ def build_bound_exact(BI=64, dqk=576, dv=512):
     log2e = contract.LOG2E
     load_query, _ = WIDE.query_tiles(T, dqk, dv, HG)
 
-    prefetch_rows, issue = bwd_rows.gather_macros(T, BI, ROWS, dqk, ahead=1)
+    prefetch_rows, issue, publish = bwd_rows.gather_macros(T, BI, ROWS, dqk, ahead=1)
 
     @T.macro
     def add(RowB, b_i, row, bound, ex):  # one int64 at the call's fixed point
         T.call_extern("handle", "smqa_red_u64", T.address_of(RowB[b_i, row]), T.cast(T.ceil(bound * ex), i64))
 
-    publish, products, bounds, block_loop = bound_macros(T, BI, HW, ROWS, dv, issue, add)
+    products, bounds, block_loop = bound_macros(T, BI, HW, dv, issue, publish, add)
 
     @T.macro
     def heads_init(lse_f, c_f, g_f, d_f, Lse2, C, Gm, Delta, b_i, s_i, h0, heads):

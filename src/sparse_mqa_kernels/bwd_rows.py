@@ -82,10 +82,11 @@ __device__ __forceinline__ void smqa_store_bf16_f64(void* dst, double x) {
 
 
 def gather_macros(T, BI: int, ROWS: int, dqk: int, ahead: int):
-    """The bound pass's gather, as two T.macro pieces: ``prefetch_rows`` loads this thread's rows of block kb into
+    """The bound pass's gather, as T.macro pieces: ``prefetch_rows`` loads this thread's rows of block kb into
     registers (-1 past the valid slots); ``issue`` sends block kb's copies (cp.async, 16 bytes a thread, 8 threads a
     row, ROWS rows a pass; by the contract's validity rule a row no valid slot backs is not copied), commits them,
-    and loads the rows of block kb + ``ahead`` (the next block this thread gathers)."""
+    and loads the rows of block kb + ``ahead`` (the next block this thread gathers); ``publish`` puts the rows
+    ``issue`` copied into row list p of ``idx2``, for the thread that counts their bounds."""
     PASSES = BI // ROWS
 
     @T.macro
@@ -105,7 +106,13 @@ def gather_macros(T, BI: int, ROWS: int, dqk: int, ahead: int):
         T.ptx_commit_group()
         prefetch_rows(nxt, Indices, b_i, s_i, kb + ahead, n_valid, t)
 
-    return prefetch_rows, issue
+    @T.macro
+    def publish(idx2, jr, p, t):
+        for r in T.unroll(PASSES):
+            if t % 8 == 0:
+                idx2[p, r * ROWS + t // 8] = jr[r]
+
+    return prefetch_rows, issue, publish
 
 
 # trace=True: a timing probe's build (``benchmarks/trace_backward.py``): thread 0's int64 stamps, slot k over
@@ -141,7 +148,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
     log2e = contract.LOG2E
     margin = 1.0 + bwd_plan.BOUND_MARGIN
     load_query = backward_ws.query_tiles(T, HG)
-    prefetch_rows, issue = gather_macros(T, BI, ROWS, dqk, ahead=1)
+    prefetch_rows, issue, publish = gather_macros(T, BI, ROWS, dqk, ahead=1)
     trace_alloc, stamp, stamp_end, put = backward_ws.tracing(T, TRACE_SLOTS)
 
     assert HG * BI <= HG * dv // 2  # the hand-over fits over dO
@@ -152,13 +159,6 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
         t = (h // 16) * 32 + (h % 8) * 4 + (j % 8) // 2
         k = (j // 8) * 4 + ((h % 16) // 8) * 2 + j % 2
         return k * 128 + t
-
-    @T.macro
-    def publish(idx2, jr, p, t):
-        # the rows ``issue`` copied into tile p, for the thread that counts their bounds
-        for r in T.unroll(PASSES):
-            if t % 8 == 0:
-                idx2[p, r * ROWS + t // 8] = jr[r]
 
     @T.macro
     def out_rows(O, ob, b_i, s_i, h0, heads, tx):
