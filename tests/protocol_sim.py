@@ -19,6 +19,11 @@ class Barrier:
     def passes(self, parity):
         return (self.phase & 1) != parity
 
+    def wait(self, parity):
+        """A party's wait, for ``yield from``: it yields False (no move) until the wait passes."""
+        while not self.passes(parity):
+            yield False
+
 
 def schedule(parties, order, policy, seed, progress):
     """Run ``parties`` (name: a generator that yields True when it moved, False when it waits) to the end, the first

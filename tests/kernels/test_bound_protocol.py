@@ -28,8 +28,7 @@ def run(n_blk, tile_parity, policy, seed=0):
         for i in range(1, n_blk):
             p = i % 2
             if i >= 2:
-                while not free[p].passes(tile_parity(i - 2)):
-                    yield False
+                yield from free[p].wait(tile_parity(i - 2))
             if s["wg0_done"] < i - 2 or s["wg1_done"] < i - 2:
                 raise AssertionError(f"block {i} gathered over block {i - 2}, which was still being read")
             s["tile"][p], s["rows"][p] = i, i
@@ -39,14 +38,12 @@ def run(n_blk, tile_parity, policy, seed=0):
     def wg1():
         for i in range(n_blk):
             p = i % 2
-            while not full[p].passes(tile_parity(i)):
-                yield False
+            yield from full[p].wait(tile_parity(i))
             if s["tile"][p] != i:
                 raise AssertionError(f"WG1's dP of block {i} read tile {p} holding block {s['tile'][p]}")
             s["wg1_done"] = i
             if i > 0:
-                while not exfree.passes((i - 1) & 1):
-                    yield False
+                yield from exfree.wait((i - 1) & 1)
             if s["ex_read"] != i - 1:
                 raise AssertionError(f"ex of block {i} written over block {i - 1}'s, which WG0 had not read")
             s["ex"] = i
@@ -56,12 +53,10 @@ def run(n_blk, tile_parity, policy, seed=0):
     def wg0():
         for i in range(n_blk):
             p = i % 2
-            while not full[p].passes(tile_parity(i)):
-                yield False
+            yield from full[p].wait(tile_parity(i))
             if s["tile"][p] != i:
                 raise AssertionError(f"WG0's S of block {i} read tile {p} holding block {s['tile'][p]}")
-            while not exfull.passes(i & 1):
-                yield False
+            yield from exfull.wait(i & 1)
             if s["ex"] != i:
                 raise AssertionError(f"WG0 read ex of block {s['ex']} for block {i}")
             s["ex_read"] = i

@@ -22,8 +22,7 @@ def run(n_blk, nch, read_parity, policy, seed=0):
         for kb in range(n_blk):
             for c in range(nch):
                 if kb or c:
-                    while not read.passes(read_parity(kb, c, nch)):
-                        yield False
+                    yield from read.wait(read_parity(kb, c, nch))
                 g = kb * nch + c
                 if stage["read"] != g - 1:
                     raise AssertionError(f"chunk {g} staged over chunk {g - 1}, which the sender had not read")
@@ -35,8 +34,7 @@ def run(n_blk, nch, read_parity, policy, seed=0):
         for kb in range(n_blk):
             k0 = kb * nch
             for c in range(nch):
-                while not staged.passes((k0 + c) & 1):
-                    yield False
+                yield from staged.wait((k0 + c) & 1)
                 if stage["chunk"] != k0 + c:
                     raise AssertionError(f"chunk {k0 + c} read while the buffer held chunk {stage['chunk']}")
                 stage["read"] = k0 + c
