@@ -126,7 +126,8 @@ def build_bound(BI=64, dqk=576):
         sm_scale: f32,
     ):
         groups = T.ceildiv(heads, HG)
-        with T.Kernel(n_rows, batch, groups, threads=256, prelude=WIDE.PRELUDE) as (bx, by, bz):
+        with T.Kernel(n_rows, batch, groups, threads=256,
+                      prelude=bwd_rows.CP_ROW_PRELUDE + WIDE.PRELUDE) as (bx, by, bz):
             Q_shared = T.alloc_shared([HG, dqk], bf16)
             KV0 = T.alloc_shared([BI, dqk], bf16)
             KV1 = T.alloc_shared([BI, dqk], bf16)
@@ -277,7 +278,8 @@ def build_bound_exact(BI=64, dqk=576, dv=512):
         sm_scale: f32,
     ):
         groups = T.ceildiv(heads, HG)
-        with T.Kernel(n_rows, batch, groups, threads=256, prelude=WIDE.PRELUDE) as (bx, by, bz):
+        with T.Kernel(n_rows, batch, groups, threads=256,
+                      prelude=bwd_rows.CP_ROW_PRELUDE + WIDE.PRELUDE) as (bx, by, bz):
             Q_shared = T.alloc_shared([HG, dqk], bf16)
             dO_shared = T.alloc_shared([HG, dv], bf16)
             KVt = T.alloc_shared([BI, dqk], bf16)

@@ -70,6 +70,21 @@ __device__ __forceinline__ void smqa_col_sums(const float* acc, float* red, int 
   }
 }
 """
+# cp.async of a KV row's N 16-byte pieces of this thread, 128 bytes apart in global memory: one source address and
+# immediate offsets (an index a piece cost four 64-bit instructions a copy), to the shared addresses given (the
+# gathers' ``copy_row``; the bound pass's prelude holds it)
+CP_ROW_PRELUDE = r"""
+template <int N, typename... D>
+__device__ __forceinline__ void smqa_cp_row(const void* src, D... dst) {
+  static_assert(sizeof...(D) == N, "one shared address a chunk");
+  const char* s = static_cast<const char*>(src);
+  const void* d[N] = {dst...};
+  #pragma unroll
+  for (int u = 0; u < N; ++u)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(d[u]))), "l"(s + 128 * u) : "memory");
+}
+"""
 # one rounding, to nearest even (sm_90); the bf16 type's constructor from double goes through float. The prelude sits
 # before the headers, so it stores the 16 bits itself
 CONVERT_PRELUDE = r"""
@@ -90,6 +105,13 @@ def gather_macros(T, BI: int, ROWS: int, dqk: int, ahead: int):
     PASSES = BI // ROWS
 
     @T.macro
+    def copy_row(KVt, row, KV, b_i, j, t):
+        # thread t's 16-byte pieces of KV row j (columns 64 u + 8 (t % 8)) into tile row ``row``: one source address,
+        # the rest 128-byte immediate offsets from it (smqa_cp_row), the destinations as the tile's layout puts them
+        T.call_extern("handle", f"smqa_cp_row<{dqk // 64}>", T.access_ptr(KV[b_i, j, (t % 8) * 8], "r", 8),
+                      *[T.access_ptr(KVt[row, 64 * u + (t % 8) * 8], "w", 8) for u in range(dqk // 64)])
+
+    @T.macro
     def prefetch_rows(nxt, Indices, b_i, s_i, kb, n_valid, t):
         for r in T.unroll(PASSES):
             slot = kb * BI + r * ROWS + t // 8
@@ -100,9 +122,7 @@ def gather_macros(T, BI: int, ROWS: int, dqk: int, ahead: int):
         for r in T.unroll(PASSES):
             jr[r] = T.if_then_else(T.And(nxt[r] >= 0, nxt[r] < seq_kv), nxt[r], -1)
             if jr[r] >= 0:
-                for u in T.serial(dqk // 64):
-                    T.ptx_cp_async(T.access_ptr(KVt[r * ROWS + t // 8, 64 * u + (t % 8) * 8], "w", 8),
-                                   T.access_ptr(KV[b_i, jr[r], 64 * u + (t % 8) * 8], "r", 8), 8)
+                copy_row(KVt, r * ROWS + t // 8, KV, b_i, jr[r], t)
         T.ptx_commit_group()
         prefetch_rows(nxt, Indices, b_i, s_i, kb + ahead, n_valid, t)
 
@@ -215,7 +235,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
         # Rows[:whole] one block each; each later row in ``pieces`` blocks of ``per_piece`` top-k blocks (the last
         # wave's rows spread over the machine: bwd_plan.bound_split)
         with T.Kernel(whole + (n_rows - whole) * pieces, batch, groups, threads=THREADS,
-                      prelude=PRELUDE + (backward_ws.TRACE_PRELUDE if trace else "")) as (bx, by, bz):
+                      prelude=CP_ROW_PRELUDE + PRELUDE + (backward_ws.TRACE_PRELUDE if trace else "")) as (bx, by, bz):
             Q_shared = T.alloc_shared([HG, dqk], bf16)
             dO_shared = T.alloc_shared([HG, dv], bf16)
             KVa = T.alloc_shared([BI, dqk], bf16)  # even blocks

@@ -43,7 +43,7 @@ def test_dkv_reduction_is_integer_only(source):
     for bad in FLOAT_ATOMICS:
         assert bad not in source, f"floating-point atomic or reduction {bad!r} in the generated CUDA"
     assert "AtomicAdd" not in source and "atomicAdd" not in source
-    assert set(re.findall(r"(?:red|atom)\.[\w.]+", source)) == {"red.relaxed.gpu.global.add.u32"}
+    assert set(re.findall(r"\b(?:red|atom)\.[\w.]+", source)) == {"red.relaxed.gpu.global.add.u32"}
     assert "cp.reduce.async.bulk" not in source
     helpers = set(re.findall(r"((?:sparse_mqa|smqa)_\w+)[(<]", _body(source))) - {"sparse_mqa_bwd_ws_kernel"}
     assert helpers == {"smqa_send_block"}, helpers
@@ -87,6 +87,25 @@ def test_query_rows_arrive_by_tma(source):
     first_gather = body.index("tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)KV_shared)")
     assert body.index("= Indices[") < body.index("tl::tma_load(Q_desc") < first_gather < wait < body.index("wgmma")
     assert "cp_async_wait" not in body[:wait]
+
+
+@pytest.mark.parametrize("dqk", [576, 512])
+def test_bound_gather_copies_a_row_from_one_source_address(dqk):
+    """The bound pass gathers a KV row's pieces with one ``smqa_cp_row`` call a row (``bwd_rows.CP_ROW_PRELUDE``):
+    the source is the thread's first 16 bytes of the row, the other dqk / 64 pieces lie at 128-byte immediate offsets
+    from it, and each destination is an address the tile's layout gives. No KV row travels any other way."""
+    from sparse_mqa_kernels import bwd_rows
+
+    src = bwd_rows.compiled(dqk, 512)[0].get_kernel_source()
+    body = _body(src)
+    calls = re.findall(r"smqa_cp_row<(\d+)>\(\(&\(KV\[(.*?)\]\)\), (.*?)\);\n", body)
+    assert len(calls) == 3  # block 0 into KVa, then the loop's KVa and KVb
+    for n, index, dst in calls:
+        assert int(n) == dqk // 64
+        assert index.endswith("(((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))"), index
+        assert set(re.findall(r"\(bfloat16_t\*\)(\w+)\)\[", dst)) <= {"KVa", "KVb"} and dst.count("(&(") == dqk // 64
+    assert "cp_async_gs" not in body and "KV[" not in re.sub(r"smqa_cp_row<\d+>\(\(&\(KV\[", "", body)
+    assert '"l"(s + 128 * u)' in src and "cp.async.cg.shared.global [%0], [%1], 16;" in src
 
 
 def test_sender_waits_by_the_global_chunk_count():
@@ -212,7 +231,7 @@ def test_row_scale_kernels_compile_without_float_atomics(dims):
     assert set(re.findall(r"(smqa_\w+)\(", body)) == {"smqa_octave_add", "smqa_col_sums"}
     assert "globaltimer" not in bound and "stamps" not in body  # the timing probe's build only
     assert set(re.findall(r"smqa_octave_add\(\(&\((\w+)\[", body)) == {"Hist"}
-    assert set(re.findall(r"(?:red|atom)\.[\w.]+", bound)) == {"red.relaxed.gpu.global.add.u32"}
+    assert set(re.findall(r"\b(?:red|atom)\.[\w.]+", bound)) == {"red.relaxed.gpu.global.add.u32"}
     wait = _tma_query(body, *dims)
     assert wait < body.index("Delta[") < body.index("wgmma_rs")  # q and dO before Delta, both before the products
     # a row split over blocks (bwd_plan.bound_split): its first piece (top-k block 0) alone writes Delta
