@@ -2,8 +2,9 @@
 ``sparse_mqa_bwd_ws`` and ``sparse_mqa_bwd_bound`` that stamp ``%globaltimer`` at fixed points
 (``backward_ws.TRACE_SLOTS``, ``bwd_rows.TRACE_SLOTS``) run on one call's inputs, and each block's stamps are
 summarised: the main kernel's prologue (q and dO in shared memory), first gather, fill (when WG1 starts), drain after
-WG0's last block and dq stores; the bound pass's prologue, Delta and loop; for both, the gaps between blocks on one SM
-and the last wave.
+WG0's last block and dq stores; the bound pass's prologue, Delta and loop, and each of its warpgroups' SM cycles a
+block in each phase of its loop (``bwd_rows.TRACE_PHASES``); for both, the gaps between blocks on one SM and the last
+wave.
 
     python benchmarks/trace_backward.py anchor l512      # on a GPU; the production bound pass and row scales first
 
@@ -16,7 +17,10 @@ import sys
 import numpy as np
 
 from sparse_mqa_kernels.backward_ws import TRACE_SLOTS as SLOTS
+from sparse_mqa_kernels.bwd_rows import TRACE_PHASES as BOUND_PHASES
 from sparse_mqa_kernels.bwd_rows import TRACE_SLOTS as BOUND_SLOTS
+
+BOUND_ALL = BOUND_SLOTS + tuple(name for role in BOUND_PHASES for name in role)
 
 
 def _waves(start, end, smid) -> dict:
@@ -63,15 +67,21 @@ def summarise(stamps: np.ndarray) -> dict:
 
 
 def summarise_bound(stamps: np.ndarray) -> dict:
-    """The bound pass's stamps (``bwd_rows.TRACE_SLOTS``) -> the median of each phase (µs), and its waves."""
-    t = {name: stamps[:, i].astype(np.float64) for i, name in enumerate(BOUND_SLOTS)}
+    """The bound pass's stamps (``bwd_rows.TRACE_SLOTS``, then ``TRACE_PHASES``) -> the median of each phase (µs),
+    its waves, then each warpgroup's cycles a block in each phase of its loop (medians over the thread blocks; the
+    producer gathers every block but the first)."""
+    t = {name: stamps[:, i].astype(np.float64) for i, name in enumerate(BOUND_ALL)}
+    blocks = np.maximum(t["blocks"], 1)
+    cycles = {f"{name} (cycles a block)": t[name] / (np.maximum(blocks - 1, 1) if name.startswith("prod") else blocks)
+              for role in BOUND_PHASES for name in role}
     return {**_medians({
         "block": t["loop_end"] - t["start"],
         "prologue (q, dO, out and block 0 landed)": t["query_ready"] - t["start"],
         "Delta, max|q|, max|dO|": t["prep_done"] - t["query_ready"],
         "to the loop": t["loop_start"] - t["prep_done"],
-        "loop, per 64-slot block": (t["loop_end"] - t["loop_start"]) / np.maximum(t["blocks"], 1),
-    }), **_waves(t["start"], t["loop_end"], t["smid"])}
+        "loop, per 64-slot block": (t["loop_end"] - t["loop_start"]) / blocks,
+    }), **_waves(t["start"], t["loop_end"], t["smid"]),
+        **{k: float(np.median(v)) for k, v in cycles.items()}}
 
 
 def _format(name: str, out: dict) -> str:
@@ -150,7 +160,7 @@ def main(argv) -> int:
             ms[name] = start.elapsed_time(stop) / 5
         traced_bound(q, out, do, kv, idx, tl, lse2, rows, scratch, hist2, sm_scale, *split)
         torch.cuda.synchronize()
-        n = len(BOUND_SLOTS)
+        n = len(BOUND_ALL)
         bstamps = scratch[:, :, :2 * n].contiguous().view(torch.int64).reshape(-1, n).cpu().numpy()
         print(_format(f"bound pass, {preset}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
                       summarise_bound(bstamps)), flush=True)

@@ -138,6 +138,18 @@ def gather_macros(T, BI: int, ROWS: int, dqk: int, ahead: int):
 # trace=True: a timing probe's build (``benchmarks/trace_backward.py``): thread 0's int64 stamps, slot k over
 # Delta[.., 2k] (so that build's Delta is not the kernel's)
 TRACE_SLOTS = ("start", "query_ready", "prep_done", "loop_start", "loop_end", "smid", "blocks")
+# ... and each warpgroup's SM cycles in each phase of its loop, summed over its blocks (WG0's, WG1's and the producer's
+# first thread put them, as int64, in the slots after TRACE_SLOTS)
+TRACE_PHASES = (("wg0_full", "wg0_s", "wg0_p", "wg0_exfull", "wg0_sums", "wg0_count"),
+                ("wg1_full", "wg1_dp", "wg1_exfree", "wg1_put"),
+                ("prod_free", "prod_issue"))
+TRACE_CLOCK = r"""
+__device__ __forceinline__ int smqa_clk() {
+  int t;
+  asm volatile("mov.u32 %0, %%clock;" : "=r"(t));
+  return t;
+}
+"""
 
 
 def tile_parity(i):
@@ -170,6 +182,20 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
     load_query = backward_ws.query_tiles(T, HG)
     prefetch_rows, issue, publish = gather_macros(T, BI, ROWS, dqk, ahead=1)
     trace_alloc, stamp, stamp_end, put = backward_ws.tracing(T, TRACE_SLOTS)
+    slot_of = {name: len(TRACE_SLOTS) + k for k, name in enumerate(n for role in TRACE_PHASES for n in role)}
+
+    @T.macro
+    def tick(ph, c0, name, role):
+        # the cycles since the last tick, to phase ``name`` (32-bit clock: a difference wraps correctly)
+        now = T.call_extern("int32", "smqa_clk")
+        ph[TRACE_PHASES[role].index(name)] += now - c0[0]
+        c0[0] = now
+
+    @T.macro
+    def put_phases(ph, role, Delta, b_i, s_i, h0):
+        for k, name in enumerate(TRACE_PHASES[role]):  # a Python tuple: unrolled
+            T.call_extern("handle", "smqa_put", T.address_of(Delta[b_i, s_i, h0 + 2 * slot_of[name]]),
+                          T.cast(ph[k], T.int64))
 
     assert HG * BI <= HG * dv // 2  # the hand-over fits over dO
 
@@ -235,7 +261,8 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
         # Rows[:whole] one block each; each later row in ``pieces`` blocks of ``per_piece`` top-k blocks (the last
         # wave's rows spread over the machine: bwd_plan.bound_split)
         with T.Kernel(whole + (n_rows - whole) * pieces, batch, groups, threads=THREADS,
-                      prelude=CP_ROW_PRELUDE + PRELUDE + (backward_ws.TRACE_PRELUDE if trace else "")) as (bx, by, bz):
+                      prelude=CP_ROW_PRELUDE + PRELUDE
+                      + (backward_ws.TRACE_PRELUDE + TRACE_CLOCK if trace else "")) as (bx, by, bz):
             Q_shared = T.alloc_shared([HG, dqk], bf16)
             dO_shared = T.alloc_shared([HG, dv], bf16)
             KVa = T.alloc_shared([BI, dqk], bf16)  # even blocks
@@ -270,6 +297,10 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             bar_regs = T.alloc_barrier(arrive_count=256)  # WG0 and WG1 have q and dO in registers
             if trace:
                 stamps = trace_alloc()
+                ph = T.alloc_local([max(len(r) for r in TRACE_PHASES)], i32)
+                c0 = T.alloc_local([1], i32)
+                for k in T.unroll(max(len(r) for r in TRACE_PHASES)):
+                    ph[k] = 0
                 stamp(stamps, "start")
             tx = T.get_thread_binding()
             part = T.max(bx - whole, 0)
@@ -311,24 +342,35 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                                               T.infinity(f32))
                 if trace:
                     stamp(stamps, "loop_start")
+                    c0[0] = T.call_extern("int32", "smqa_clk")
                 for i in T.serial(n_blk):
                     p = i % 2
                     T.barrier_wait(bar_full[p], tile_parity(i))
+                    if trace:
+                        tick(ph, c0, "wg0_full", 0)
                     T.fence_proxy_async()
                     if p == 0:
                         T.wgmma_gemm(q_f, KVa, acc, transpose_B=True, clear_accum=True)
                     else:
                         T.wgmma_gemm(q_f, KVb, acc, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
+                    if trace:
+                        tick(ph, c0, "wg0_s", 0)
                     # a slot no valid row backs holds whatever its tile row held: its column is never counted
                     for h, j in T.Parallel(HG, BI):
                         acc[h, j] = T.exp2(acc[h, j] * c2 - lse_f[h])
+                    if trace:
+                        tick(ph, c0, "wg0_p", 0)
                     T.barrier_wait(bar_exfull, i & 1)
+                    if trace:
+                        tick(ph, c0, "wg0_exfull", 0)
                     for h, j in T.Parallel(HG, BI):
                         acc[h, j] = acc[h, j] * ex[ex_at(h, j)]
                     T.barrier_arrive(bar_exfree)
                     T.call_extern("handle", "smqa_col_sums", acc.data, T.address_of(red_s[0]), tx)
                     T.sync_threads(WG0_SUMS, 128)
+                    if trace:
+                        tick(ph, c0, "wg0_sums", 0)
                     if tx < BI:
                         if idx2[p, tx] >= 0:
                             T.call_extern("handle", "smqa_octave_add", T.address_of(Hist[b_i, idx2[p, tx], 0]),
@@ -336,11 +378,14 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                                           * margin)
                     T.sync_threads(WG0_SUMS, 128)  # the sums are read before the next block's sums go in
                     T.barrier_arrive(bar_free[p])
+                    if trace:
+                        tick(ph, c0, "wg0_count", 0)
                 if trace:
                     stamp_end(stamps, "loop_end", n_blk)
                     T.sync_threads(WG0_SUMS, 128)  # WG0's Delta writes are done: the stamps go over them
                     if tx == 0:
                         put(stamps, TRACE_SLOTS, lambda k: Delta[b_i, s_i, h0 + 2 * k])
+                        put_phases(ph, 0, Delta, b_i, s_i, h0)
             elif tx < 256:
                 T.set_max_nreg(NREG[1], 1)
                 T.copy(dO_shared, do_f)
@@ -349,26 +394,43 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                     c_f[h] = c_s[h]
                     g_f[h] = g_s[h]
                     d_f[h] = delta_s[h]
+                if trace:
+                    c0[0] = T.call_extern("int32", "smqa_clk")
                 for i in T.serial(n_blk):
                     p = i % 2
                     T.barrier_wait(bar_full[p], tile_parity(i))
+                    if trace:
+                        tick(ph, c0, "wg1_full", 1)
                     T.fence_proxy_async()
                     if p == 0:
                         T.wgmma_gemm(do_f, KVa[:, 0:dv], accp, transpose_B=True, clear_accum=True)
                     else:
                         T.wgmma_gemm(do_f, KVb[:, 0:dv], accp, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
+                    if trace:
+                        tick(ph, c0, "wg1_dp", 1)
                     if i > 0:
                         T.barrier_wait(bar_exfree, (i - 1) & 1)
+                    if trace:
+                        tick(ph, c0, "wg1_exfree", 1)
                     for h, j in T.Parallel(HG, BI):
                         ex[ex_at(h, j)] = c_f[h] * T.abs(accp[h, j] - d_f[h]) + g_f[h]
                     T.barrier_arrive(bar_exfull)
+                    if trace:
+                        tick(ph, c0, "wg1_put", 1)
+                if trace:
+                    if tx == 128:
+                        put_phases(ph, 1, Delta, b_i, s_i, h0)
             else:
                 T.set_max_nreg(NREG[2], 0)
                 T.barrier_wait(bar_regs, 0)
+                if trace:
+                    c0[0] = T.call_extern("int32", "smqa_clk")
                 for i in T.serial(1, n_blk):  # block i into tile i % 2 once WG0 is done with block i - 2 there
                     if i >= 2:
                         T.barrier_wait(bar_free[i % 2], tile_parity(i - 2))
+                    if trace:
+                        tick(ph, c0, "prod_free", 2)
                     if i % 2 == 0:
                         issue(KVa, KV, nxt, jr, Indices, b_i, s_i, kb0 + i, n_mine, seq_kv, tx - 256)
                     else:
@@ -376,6 +438,11 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                     publish(idx2, jr, i % 2, tx - 256)
                     T.cp_async_barrier_noinc(bar_full[i % 2])
                     T.barrier_arrive(bar_full[i % 2])
+                    if trace:
+                        tick(ph, c0, "prod_issue", 2)
+                if trace:
+                    if tx == 256:
+                        put_phases(ph, 2, Delta, b_i, s_i, h0)
 
     return sparse_mqa_bwd_bound
 

@@ -208,6 +208,24 @@ def test_variant_keys_choose_the_body():
     assert "warp-specialised" in ANCHOR.describe() and "single-role" in ANCHOR_SINGLE.describe()
 
 
+def test_bound_trace_build_times_each_phase():
+    """The bound pass's timing-probe build (``trace=True``, ``benchmarks/trace_backward.py``) reads the SM clock once
+    before each warpgroup's loop and once at the end of each of its phases (``bwd_rows.TRACE_PHASES``), and puts one
+    int64 a stamp and a phase; the backend's build reads no clock."""
+    import tilelang
+
+    from sparse_mqa_kernels import bwd_rows
+    from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET
+
+    traced = tilelang.compile(bwd_rows.build_bound(576, 512, trace=True), out_idx=None, target=TARGET,
+                              execution_backend=EXECUTION_BACKEND).get_kernel_source()
+    body = _body(traced)
+    phases = sum(len(role) for role in bwd_rows.TRACE_PHASES)
+    assert body.count("smqa_clk()") == len(bwd_rows.TRACE_PHASES) + phases
+    assert body.count("smqa_put(") == len(bwd_rows.TRACE_SLOTS) + phases
+    assert "smqa_clk" not in bwd_rows.compiled(576, 512)[0].get_kernel_source()
+
+
 @pytest.mark.parametrize("dims", [(576, 512), (512, 512)], ids=["576", "512"])
 def test_row_scale_kernels_compile_without_float_atomics(dims):
     """``bwd_rows``: the bound pass runs S (WG0) and dP (WG1) as [64 heads x 64 slots] wgmma with q and dO in

@@ -34,9 +34,14 @@ def test_each_phase_is_read_from_its_stamps_and_the_last_wave_is_the_tail():
 def test_the_bound_pass_phases():
     # one SM, two blocks 1 us apart: q, dO and out at 3 us, Delta 1 us, the loop from 4.5 us, 8 blocks of 1 us
     at = dict(start=0, query_ready=3000, prep_done=4000, loop_start=4500, loop_end=12500)
-    one = [at[name] for name in TRACE.BOUND_SLOTS[:5]] + [0, 8]
-    stamps = np.array([one, [t + 13500 for t in one[:5]] + [0, 8]], dtype=np.int64)
+    # each warpgroup's cycles in its loop's phases, summed over the 8 blocks (the producer gathers 7 of them)
+    phases = [800 * (k + 1) for k in range(len(TRACE.BOUND_ALL) - len(TRACE.BOUND_SLOTS))]
+    one = [at[name] for name in TRACE.BOUND_SLOTS[:5]] + [0, 8] + phases
+    stamps = np.array([one, [t + 13500 for t in one[:5]] + [0, 8] + phases], dtype=np.int64)
     out = TRACE.summarise_bound(stamps)
+    names = [name for role in TRACE.BOUND_PHASES for name in role]
+    assert out["wg0_full (cycles a block)"] == 100.0 and out[f"{names[5]} (cycles a block)"] == 600.0
+    assert out["prod_issue (cycles a block)"] == 800 * len(names) / 7
     assert out["block"] == 12.5 and out["prologue (q, dO, out and block 0 landed)"] == 3.0
     assert out["Delta, max|q|, max|dO|"] == 1.0 and out["to the loop"] == 0.5 and out["loop, per 64-slot block"] == 1.0
     assert out["gap between blocks on an SM"] == 1.0 and out["kernel span"] == 26.0 and out["SMs"] == 1
