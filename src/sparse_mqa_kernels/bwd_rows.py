@@ -70,9 +70,9 @@ __device__ __forceinline__ void smqa_col_sums(const float* acc, float* red, int 
   }
 }
 """
-# cp.async of a KV row's N 16-byte pieces of this thread, 128 bytes apart in global memory: one source address and
-# immediate offsets (an index a piece cost four 64-bit instructions a copy), to the shared addresses given (the
-# gathers' ``copy_row``; the bound pass's prelude holds it)
+# cp.async of a KV row's N 16-byte pieces (chunks) of this thread, 128 bytes apart in global memory: one source
+# address and immediate offsets, where a 64-bit index a piece takes four instructions a copy; the destinations are the
+# shared addresses given (the gather's ``copy_row``; the bound pass's prelude holds it)
 CP_ROW_PRELUDE = r"""
 template <int N, typename... D>
 __device__ __forceinline__ void smqa_cp_row(const void* src, D... dst) {
