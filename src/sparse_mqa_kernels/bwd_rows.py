@@ -199,6 +199,16 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
 
     assert HG * BI <= HG * dv // 2  # the hand-over fits over dO
 
+    @T.macro
+    def tile_product(rows_f, KVa, KVb, acc, p, cols):
+        # a warpgroup's [HG x BI] product of its query rows (registers, [HG x cols]) with tile p's first cols columns
+        T.fence_proxy_async()
+        if p == 0:
+            T.wgmma_gemm(rows_f, KVa[:, 0:cols], acc, transpose_B=True, clear_accum=True)
+        else:
+            T.wgmma_gemm(rows_f, KVb[:, 0:cols], acc, transpose_B=True, clear_accum=True)
+        T.wait_wgmma(0)
+
     def ex_at(h, j):
         # (h, j)'s place in the hand-over buffer: t + 128 k for the thread t and index k that hold it in the wgmma
         # accumulator's layout (smqa_col_sums), so a warp's stores and loads are 128 consecutive bytes
@@ -348,12 +358,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                     T.barrier_wait(bar_full[p], tile_parity(i))
                     if trace:
                         tick(ph, c0, "wg0_full", 0)
-                    T.fence_proxy_async()
-                    if p == 0:
-                        T.wgmma_gemm(q_f, KVa, acc, transpose_B=True, clear_accum=True)
-                    else:
-                        T.wgmma_gemm(q_f, KVb, acc, transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(0)
+                    tile_product(q_f, KVa, KVb, acc, p, dqk)
                     if trace:
                         tick(ph, c0, "wg0_s", 0)
                     # a slot no valid row backs holds whatever its tile row held: its column is never counted
@@ -401,12 +406,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                     T.barrier_wait(bar_full[p], tile_parity(i))
                     if trace:
                         tick(ph, c0, "wg1_full", 1)
-                    T.fence_proxy_async()
-                    if p == 0:
-                        T.wgmma_gemm(do_f, KVa[:, 0:dv], accp, transpose_B=True, clear_accum=True)
-                    else:
-                        T.wgmma_gemm(do_f, KVb[:, 0:dv], accp, transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(0)
+                    tile_product(do_f, KVa, KVb, accp, p, dv)
                     if trace:
                         tick(ph, c0, "wg1_dp", 1)
                     if i > 0:
