@@ -25,6 +25,35 @@ class Barrier:
             yield False
 
 
+class Slot:
+    """A one-item buffer handed over by two mbarriers: the writer arrives on ``full`` once it has put item g, the
+    reader on ``free`` once it has read it. ``put`` and ``take`` (for ``yield from``) wait with the parity given and
+    raise the overwrite or the stale read they find; ``what`` and the verbs name them in the messages."""
+
+    def __init__(self, what, put_verb, reader):
+        self.full, self.free = Barrier(), Barrier()
+        self.item, self.read = None, -1
+        self.what, self.put_verb, self.reader = what, put_verb, reader
+
+    def put(self, g, parity):
+        """Put item g, first waiting on ``free`` with ``parity`` (None: the first item, nothing to wait for)."""
+        if parity is not None:
+            yield from self.free.wait(parity)
+        if self.read != g - 1:
+            raise AssertionError(f"{self.what} {g} {self.put_verb} over {self.what} {g - 1}, which {self.reader} had "
+                                 "not read")
+        self.item = g
+        self.full.arrive()
+
+    def take(self, g, parity):
+        """Read item g once ``full``'s wait on ``parity`` passes."""
+        yield from self.full.wait(parity)
+        if self.item != g:
+            raise AssertionError(f"{self.what} {g} read while the buffer held {self.what} {self.item}")
+        self.read = g
+        self.free.arrive()
+
+
 def schedule(parties, order, policy, seed, progress):
     """Run ``parties`` (name: a generator that yields True when it moved, False when it waits) to the end, the first
     in ``order`` that can move moving each step (``order`` shuffled each step when ``policy`` is "random"). Returns

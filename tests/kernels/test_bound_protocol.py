@@ -11,15 +11,15 @@ is read, for a query's block counts 0-6."""
 
 import pytest
 
-from protocol_sim import Barrier, schedule
+from protocol_sim import Barrier, Slot, schedule
 from sparse_mqa_kernels.bwd_rows import tile_parity
 
 
 def run(n_blk, tile_parity, policy, seed=0):
     """Simulate one query's blocks; returns None, or what went wrong."""
     full, free = [Barrier(), Barrier()], [Barrier(), Barrier()]
-    exfull, exfree = Barrier(), Barrier()
-    s = {"tile": [None, None], "rows": [None, None], "ex": None, "ex_read": -1, "wg0_done": -1, "wg1_done": -1}
+    ex = Slot("ex of block", "written", "WG0")  # exfull is its full barrier, exfree its free one
+    s = {"tile": [None, None], "rows": [None, None], "wg0_done": -1, "wg1_done": -1}
     if n_blk:  # block 0, from the prologue
         s["tile"][0], s["rows"][0] = 0, 0
         full[0].arrive()
@@ -35,32 +35,25 @@ def run(n_blk, tile_parity, policy, seed=0):
             full[p].arrive()
             yield True
 
+    def read_tile(i, product):
+        # wait for block i's tile, and check that it holds block i
+        p = i % 2
+        yield from full[p].wait(tile_parity(i))
+        if s["tile"][p] != i:
+            raise AssertionError(f"{product} of block {i} read tile {p} holding block {s['tile'][p]}")
+
     def wg1():
         for i in range(n_blk):
-            p = i % 2
-            yield from full[p].wait(tile_parity(i))
-            if s["tile"][p] != i:
-                raise AssertionError(f"WG1's dP of block {i} read tile {p} holding block {s['tile'][p]}")
+            yield from read_tile(i, "WG1's dP")
             s["wg1_done"] = i
-            if i > 0:
-                yield from exfree.wait((i - 1) & 1)
-            if s["ex_read"] != i - 1:
-                raise AssertionError(f"ex of block {i} written over block {i - 1}'s, which WG0 had not read")
-            s["ex"] = i
-            exfull.arrive()
+            yield from ex.put(i, (i - 1) & 1 if i > 0 else None)
             yield True
 
     def wg0():
         for i in range(n_blk):
             p = i % 2
-            yield from full[p].wait(tile_parity(i))
-            if s["tile"][p] != i:
-                raise AssertionError(f"WG0's S of block {i} read tile {p} holding block {s['tile'][p]}")
-            yield from exfull.wait(i & 1)
-            if s["ex"] != i:
-                raise AssertionError(f"WG0 read ex of block {s['ex']} for block {i}")
-            s["ex_read"] = i
-            exfree.arrive()
+            yield from read_tile(i, "WG0's S")
+            yield from ex.take(i, i & 1)
             if s["rows"][p] != i:
                 raise AssertionError(f"block {i}'s bounds counted into the rows of block {s['rows'][p]}")
             s["wg0_done"] = i

@@ -9,41 +9,28 @@ passes once the barrier's current phase has parity other than p."""
 
 import pytest
 
-from protocol_sim import Barrier, schedule
+from protocol_sim import Slot, schedule
 from sparse_mqa_kernels.backward_ws import read_parity
 
 
 def run(n_blk, nch, read_parity, policy, seed=0):
     """Simulate one query's blocks; returns None, or what went wrong."""
-    staged, read = Barrier(), Barrier()
-    stage = {"chunk": None, "read": -1}  # the chunk in the buffer, the last chunk the sender read
+    stage = Slot("chunk", "staged", "the sender")  # bar_staged is its full barrier, bar_read its free one
 
     def stager():
         for kb in range(n_blk):
             for c in range(nch):
-                if kb or c:
-                    yield from read.wait(read_parity(kb, c, nch))
-                g = kb * nch + c
-                if stage["read"] != g - 1:
-                    raise AssertionError(f"chunk {g} staged over chunk {g - 1}, which the sender had not read")
-                stage["chunk"] = g
-                staged.arrive()
+                yield from stage.put(kb * nch + c, read_parity(kb, c, nch) if kb or c else None)
                 yield True
 
     def sender():
-        for kb in range(n_blk):
-            k0 = kb * nch
-            for c in range(nch):
-                yield from staged.wait((k0 + c) & 1)
-                if stage["chunk"] != k0 + c:
-                    raise AssertionError(f"chunk {k0 + c} read while the buffer held chunk {stage['chunk']}")
-                stage["read"] = k0 + c
-                read.arrive()
-                yield True
+        for g in range(n_blk * nch):
+            yield from stage.take(g, g & 1)
+            yield True
 
     order = ("sender", "stager") if policy == "sender first" else ("stager", "sender")
     return schedule({"stager": stager(), "sender": sender()}, order, policy, seed,
-                    lambda: f"{read.phase} chunks read")
+                    lambda: f"{stage.free.phase} chunks read")
 
 
 @pytest.mark.parametrize("nch", [8, 9])  # Dqk 512 and 576 in 64-column chunks
