@@ -83,7 +83,7 @@ def build_bound(BI=64, dqk=576):
             T.sync_threads(14 + w, 128)
         T.gemm(KVt, Q_shared, acc, transpose_B=True, clear_accum=True)
         T.sync_threads(14 + w, 128)
-        issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb + 2, n_valid, seq_kv, t)
+        issue(KVt, KVt, (0, 0), KV, nxt, jr, Indices, b_i, s_i, kb + 2, n_valid, seq_kv, t)
         for j, h in T.Parallel(BI, HG):
             acc[j, h] = T.exp2(acc[j, h] * c2 - lse_f[h])
             accw[j, h] = acc[j, h] * b_f[h]
@@ -150,9 +150,9 @@ def build_bound(BI=64, dqk=576):
             n_blk = T.ceildiv(n_valid, BI)
             prefetch_rows(nxt, Indices, b_i, s_i, tx // 128, n_valid, tx % 128)
             if tx < 128:
-                issue(KV0, KV, nxt, jr, Indices, b_i, s_i, 0, n_valid, seq_kv, tx)
+                issue(KV0, KV0, (0, 0), KV, nxt, jr, Indices, b_i, s_i, 0, n_valid, seq_kv, tx)
             else:
-                issue(KV1, KV, nxt, jr, Indices, b_i, s_i, 1, n_valid, seq_kv, tx - 128)
+                issue(KV1, KV1, (0, 0), KV, nxt, jr, Indices, b_i, s_i, 1, n_valid, seq_kv, tx - 128)
             load_query(Q, None, Q_shared, None, b_i, s_i, h0, heads, tx)
             publish(idx3, jr, tx // 128, 0, tx % 128)
             T.ptx_wait_group(0)
@@ -213,7 +213,7 @@ def bound_macros(T, BI: int, HW: int, dv: int, issue, publish, add):
             else:
                 products(Q_shared, dO_shared, KVt, wg1[0], wg1[1], 1)
             T.sync_threads()  # both halves have read the tile: the next block's copies run under the arithmetic
-            issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb + 1, n_valid, seq_kv, tx)
+            issue(KVt, KVt, (0, 0), KV, nxt, jr, Indices, b_i, s_i, kb + 1, n_valid, seq_kv, tx)
             if tx < 128:
                 bounds(wg0[0], wg0[1], wg0[2], bs_s, wg0[3], wg0[4], wg0[5], wg0[6], c2, 0)
             else:
@@ -301,7 +301,7 @@ def build_bound_exact(BI=64, dqk=576, dv=512):
             n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
             n_blk = T.ceildiv(n_valid, BI)
             prefetch_rows(nxt, Indices, b_i, s_i, 0, n_valid, tx)
-            issue(KVt, KV, nxt, jr, Indices, b_i, s_i, 0, n_valid, seq_kv, tx)
+            issue(KVt, KVt, (0, 0), KV, nxt, jr, Indices, b_i, s_i, 0, n_valid, seq_kv, tx)
             load_query(Q, dO, Q_shared, dO_shared, b_i, s_i, h0, heads, tx)
             publish(idx2, jr, 0, tx)
             if tx < 128:

@@ -37,7 +37,11 @@ ROWS = 128 // 8  # KV rows a pass of the producer's gather: 8 threads a row, 16 
 # registers per thread (setmaxnreg) of WG0 (q in registers), WG1 (dO) and the producer; the launch gives each 168
 NREG = (224, 224, 56)
 assert sum(NREG) == 3 * 168
-WG0_SUMS = 1  # WG0's named barrier
+WG0_TRACE = 1  # WG0's named barrier, in the timing probe's build only
+TILES = 3  # the bound pass's KV tiles: block i in tile i % TILES
+# the producer's row lists (block i's in list i % ROW_LISTS): WG1 frees a tile before WG0 counts the block's rows,
+# so a list outlives its tile by a block
+ROW_LISTS = TILES + 1
 SCALE_ROWS = 32  # KV rows a block of the row-scale kernel, one thread each
 SCALE_THREADS = 512  # the threads that copy a block's counts
 CONVERT_ROWS = 8  # KV rows a block of the conversion
@@ -69,20 +73,37 @@ __device__ __forceinline__ void smqa_col_sums(const float* acc, float* red, int 
     }
   }
 }
+// the hand-over of a 64 x 64 wgmma accumulator from one warpgroup to another with the same layout: thread t's 32
+// values at ex[128 k + t] (a warp's stores and loads, 128 consecutive bytes); ex is raw shared memory to both sides
+__device__ __forceinline__ void smqa_ex_put(void* ex, const float* v, int t) {
+  #pragma unroll
+  for (int k = 0; k < 32; ++k) static_cast<float*>(ex)[128 * k + t] = v[k];
+}
+__device__ __forceinline__ void smqa_ex_mul(float* acc, const void* ex, int t) {
+  #pragma unroll
+  for (int k = 0; k < 32; ++k) acc[k] *= static_cast<const float*>(ex)[128 * k + t];
+}
+// tile p's buffer (a, b or c): a select, so that one copy of the code serves every tile
+__device__ __forceinline__ void* smqa_tile(int p, void* a, void* b, void* c) { return p == 0 ? a : (p == 1 ? b : c); }
+__device__ __forceinline__ int smqa_tile_off(int p, const void* a, const void* b, const void* c) {
+  return static_cast<int>(static_cast<const char*>(p == 0 ? a : (p == 1 ? b : c)) - static_cast<const char*>(a));
+}
 """
 # cp.async of a KV row's N 16-byte pieces (chunks) of this thread, 128 bytes apart in global memory: one source
 # address and immediate offsets, where a 64-bit index a piece takes four instructions a copy; the destinations are the
-# shared addresses given (the gather's ``copy_row``; the bound pass's prelude holds it)
+# shared addresses given, the first NV moved by ``off_v`` bytes and the rest by ``off_r`` (a tile chosen at run time,
+# one copy of the code for all: the gather's ``copy_row``; the bound pass's prelude holds it)
 CP_ROW_PRELUDE = r"""
-template <int N, typename... D>
-__device__ __forceinline__ void smqa_cp_row(const void* src, D... dst) {
+template <int N, int NV, typename... D>
+__device__ __forceinline__ void smqa_cp_row(const void* src, int off_v, int off_r, D... dst) {
   static_assert(sizeof...(D) == N, "one shared address a chunk");
   const char* s = static_cast<const char*>(src);
   const void* d[N] = {dst...};
   #pragma unroll
   for (int u = 0; u < N; ++u)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                 ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(d[u]))), "l"(s + 128 * u) : "memory");
+                 ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(d[u])) + (u < NV ? off_v : off_r)),
+                   "l"(s + 128 * u) : "memory");
 }
 """
 # one rounding, to nearest even (sm_90); the bf16 type's constructor from double goes through float. The prelude sits
@@ -96,20 +117,26 @@ __device__ __forceinline__ void smqa_store_bf16_f64(void* dst, double x) {
 """
 
 
-def gather_macros(T, BI: int, ROWS: int, dqk: int, ahead: int):
+def gather_macros(T, BI: int, ROWS: int, dqk: int, ahead: int, split: int = 0):
     """The bound pass's gather, as T.macro pieces: ``prefetch_rows`` loads this thread's rows of block kb into
-    registers (-1 past the valid slots); ``issue`` sends block kb's copies (cp.async, 16 bytes a thread, 8 threads a
-    row, ROWS rows a pass; by the contract's validity rule a row no valid slot backs is not copied), commits them,
-    and loads the rows of block kb + ``ahead`` (the next block this thread gathers); ``publish`` puts the rows
-    ``issue`` copied into row list p of ``idx2``, for the thread that counts their bounds."""
+    registers (-1 past the valid slots); ``issue`` sends block kb's copies into a tile (cp.async, 16 bytes a thread,
+    8 threads a row, ROWS rows a pass; by the contract's validity rule a row no valid slot backs is not copied),
+    commits them, and loads the rows of block kb + ``ahead`` (the next block this thread gathers); ``publish`` puts
+    the rows ``issue`` copied into row list p of ``rows_s``, for the thread that counts their bounds. A tile is two
+    buffers: ``KVt`` holds columns below ``split`` and ``Rt`` the rest from column 0 (``split`` 0: ``KVt`` all);
+    ``off`` (two int32, bytes) moves the copies from ``KVt`` and ``Rt`` to another tile of the same layout."""
     PASSES = BI // ROWS
+    head = (split or dqk) // 64  # pieces of a row in KVt
 
     @T.macro
-    def copy_row(KVt, row, KV, b_i, j, t):
+    def copy_row(KVt, Rt, off, row, KV, b_i, j, t):
         # thread t's 16-byte pieces of KV row j (columns 64 u + 8 (t % 8)) into tile row ``row``: one source address,
-        # the rest 128-byte immediate offsets from it (smqa_cp_row), the destinations as the tile's layout puts them
-        T.call_extern("handle", f"smqa_cp_row<{dqk // 64}>", T.access_ptr(KV[b_i, j, (t % 8) * 8], "r", 8),
-                      *[T.access_ptr(KVt[row, 64 * u + (t % 8) * 8], "w", 8) for u in range(dqk // 64)])
+        # the rest 128-byte immediate offsets from it (smqa_cp_row), the destinations as the tile's layout puts them,
+        # moved by off[0] bytes (KVt's) and off[1] (Rt's)
+        T.call_extern("handle", f"smqa_cp_row<{dqk // 64}, {head}>", T.access_ptr(KV[b_i, j, (t % 8) * 8], "r", 8),
+                      off[0], off[1],
+                      *([T.access_ptr(KVt[row, 64 * u + (t % 8) * 8], "w", 8) for u in range(head)]
+                        + [T.access_ptr(Rt[row, 64 * u + (t % 8) * 8], "w", 8) for u in range(dqk // 64 - head)]))
 
     @T.macro
     def prefetch_rows(nxt, Indices, b_i, s_i, kb, n_valid, t):
@@ -118,19 +145,19 @@ def gather_macros(T, BI: int, ROWS: int, dqk: int, ahead: int):
             nxt[r] = T.if_then_else(slot < n_valid, Indices[b_i, s_i, T.max(T.min(slot, n_valid - 1), 0)], -1)
 
     @T.macro
-    def issue(KVt, KV, nxt, jr, Indices, b_i, s_i, kb, n_valid, seq_kv, t):
+    def issue(KVt, Rt, off, KV, nxt, jr, Indices, b_i, s_i, kb, n_valid, seq_kv, t):
         for r in T.unroll(PASSES):
             jr[r] = T.if_then_else(T.And(nxt[r] >= 0, nxt[r] < seq_kv), nxt[r], -1)
             if jr[r] >= 0:
-                copy_row(KVt, r * ROWS + t // 8, KV, b_i, jr[r], t)
+                copy_row(KVt, Rt, off, r * ROWS + t // 8, KV, b_i, jr[r], t)
         T.ptx_commit_group()
         prefetch_rows(nxt, Indices, b_i, s_i, kb + ahead, n_valid, t)
 
     @T.macro
-    def publish(idx2, jr, p, t):
+    def publish(rows_s, jr, p, t):
         for r in T.unroll(PASSES):
             if t % 8 == 0:
-                idx2[p, r * ROWS + t // 8] = jr[r]
+                rows_s[p, r * ROWS + t // 8] = jr[r]
 
     return prefetch_rows, issue, publish
 
@@ -140,8 +167,8 @@ def gather_macros(T, BI: int, ROWS: int, dqk: int, ahead: int):
 TRACE_SLOTS = ("start", "query_ready", "prep_done", "loop_start", "loop_end", "smid", "blocks")
 # ... and each warpgroup's SM cycles in each phase of its loop, summed over its blocks (WG0's, WG1's and the producer's
 # first thread put them, as int64, in the slots after TRACE_SLOTS)
-TRACE_PHASES = (("wg0_full", "wg0_s", "wg0_p", "wg0_exfull", "wg0_sums", "wg0_count"),
-                ("wg1_full", "wg1_dp", "wg1_exfree", "wg1_put"),
+TRACE_PHASES = (("wg0_full", "wg0_s", "wg0_p", "wg0_count", "wg0_dpdone", "wg0_put"),
+                ("wg1_full", "wg1_dp", "wg1_f", "wg1_pfull", "wg1_sums"),
                 ("prod_free", "prod_issue"))
 TRACE_CLOCK = r"""
 __device__ __forceinline__ int smqa_clk() {
@@ -153,34 +180,38 @@ __device__ __forceinline__ int smqa_clk() {
 
 
 def tile_parity(i):
-    """The parity of the bound pass's mbarrier phase for block i on its KV tile (tile i % 2, used by every other
-    block: the tile's full / free barriers complete once a use). ``i`` an int or a TIR expression."""
-    return (i // 2) & 1
+    """The parity of the bound pass's mbarrier phase for block i on its KV tile (tile i % TILES, used by every
+    TILES-th block: the tile's full / free barriers complete once a use). ``i`` an int or a TIR expression."""
+    return (i // TILES) & 1
 
 
 def build_bound(dqk: int, dv: int, trace: bool = False):
     """``sparse_mqa_bwd_bound``: Delta, and each valid slot's bound counted in its KV row's octave (module docstring).
 
     Three warpgroups. WG0 runs S = q K^T and WG1 dP = dO V^T, each [64 heads x BI slots] with its query rows in
-    registers (wgmma's A operand): shared memory then holds two KV tiles, the second one and the hand-over buffer over
-    q and dO once both are in registers. The producer gathers block i into tile i % 2 as soon as WG0 is done with
-    block i - 2 there; its copies arrive on the tile's mbarrier as they land (cp.async.mbarrier.arrive). WG1 hands
-    WG0 each element's |sm_scale| max|q_h| |dP - Delta_h| + max|dO_h| through shared memory; WG0 multiplies it by P,
-    sums over heads in a fixed order (``smqa_col_sums``, then its four warps in turn) and counts each valid slot.
-    Hand-overs are mbarriers: full / free (a tile; ``tile_parity``), exfull / exfree (the hand-over buffer).
-    Registers move from the producer to WG0 and WG1 with setmaxnreg (``NREG``). ``trace``: a timing probe's build
-    (``TRACE_SLOTS``), never the backend's."""
+    registers (wgmma's A operand). Shared memory holds ``TILES`` KV tiles: one of its own, one over q and one over dO
+    once both are in registers. A tile is two buffers, V's columns and the rest (q likewise), so that the one over dO
+    fits; S is two products, one per buffer. The producer gathers block i into tile i % TILES as soon as WG1 is done
+    with block i - TILES there, so the gather runs up to two blocks ahead; its copies arrive on the tile's mbarrier as
+    they land (cp.async.mbarrier.arrive), and the rows it copied go in list i % ``ROW_LISTS``. WG0 forms P, counts
+    the block before (below) and hands P to WG1 in the block's own tile, once both products have read it (``dpdone``:
+    WG1's dP is done), and goes on to the next S; WG1 forms each element's |sm_scale| max|q_h| |dP - Delta_h| +
+    max|dO_h|, multiplies it by P, frees the tile, sums over heads (``smqa_col_sums``: each of its warps' sums) and
+    goes on to the next dP, while WG0's next S runs; WG0 adds the four warps' sums in turn (a fixed order) and counts
+    each valid slot while it waits for that dP. Hand-overs are mbarriers: full / free (a tile; ``tile_parity``),
+    dpdone, pfull and sums (once a block). Registers move from the producer to WG0 and WG1 with setmaxnreg (``NREG``).
+    ``trace``: a timing probe's build (``TRACE_SLOTS``), never the backend's."""
     import tilelang.language as T
 
     BI = bwd_plan.BOUND_BLOCK
     PASSES = BI // ROWS
     OC = dv // 8 // 32  # 16-byte chunks of out a lane, per head
+    rope = dqk - dv  # a KV row's (and q's) columns past V's: a buffer of their own in each tile
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
     margin = 1.0 + bwd_plan.BOUND_MARGIN
-    load_query = backward_ws.query_tiles(T, HG)
-    prefetch_rows, issue, publish = gather_macros(T, BI, ROWS, dqk, ahead=1)
+    prefetch_rows, issue, publish = gather_macros(T, BI, ROWS, dqk, ahead=1, split=dv)
     trace_alloc, stamp, stamp_end, put = backward_ws.tracing(T, TRACE_SLOTS)
     slot_of = {name: len(TRACE_SLOTS) + k for k, name in enumerate(n for role in TRACE_PHASES for n in role)}
 
@@ -197,24 +228,39 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             T.call_extern("handle", "smqa_put", T.address_of(Delta[b_i, s_i, h0 + 2 * slot_of[name]]),
                           T.cast(ph[k], T.int64))
 
-    assert HG * BI <= HG * dv // 2  # the hand-over fits over dO
+    assert HG * BI <= HG * dv // 2 and BI == HG  # the hand-over fits in a tile's V buffer; tiles b, c view q's, dO's
 
     @T.macro
-    def tile_product(rows_f, KVa, KVb, acc, p, cols):
-        # a warpgroup's [HG x BI] product of its query rows (registers, [HG x cols]) with tile p's first cols columns
-        T.fence_proxy_async()
-        if p == 0:
-            T.wgmma_gemm(rows_f, KVa[:, 0:cols], acc, transpose_B=True, clear_accum=True)
-        else:
-            T.wgmma_gemm(rows_f, KVb[:, 0:cols], acc, transpose_B=True, clear_accum=True)
-        T.wait_wgmma(0)
+    def load_query(Q, dO, Qv, Qr, dO_shared, bar, b_i, s_i, h0):
+        # q's two buffers and dO by TMA on one mbarrier (rows past the tensor's heads arrive as zeros)
+        T.tma_copy(Q[b_i, s_i, h0:h0 + HG, 0:dv], Qv, barrier=bar)
+        if rope:
+            T.tma_copy(Q[b_i, s_i, h0:h0 + HG, dv:dqk], Qr, barrier=bar)
+        T.tma_copy(dO[b_i, s_i, h0:h0 + HG, :], dO_shared, barrier=bar, annotations={"emit_arrive": 1})
 
-    def ex_at(h, j):
-        # (h, j)'s place in the hand-over buffer: t + 128 k for the thread t and index k that hold it in the wgmma
-        # accumulator's layout (smqa_col_sums), so a warp's stores and loads are 128 consecutive bytes
-        t = (h // 16) * 32 + (h % 8) * 4 + (j % 8) // 2
-        k = (j // 8) * 4 + ((h % 16) // 8) * 2 + j % 2
-        return k * 128 + t
+    @T.macro
+    def tile_product(rows_f, V0, V1, V2, acc, p, clear):
+        # a warpgroup's [HG x BI] product of its query rows (registers) with tile p's buffer (issued, not waited)
+        if p == 0:
+            T.wgmma_gemm(rows_f, V0, acc, transpose_B=True, clear_accum=clear)
+        elif p == 1:
+            T.wgmma_gemm(rows_f, V1, acc, transpose_B=True, clear_accum=clear)
+        else:
+            T.wgmma_gemm(rows_f, V2, acc, transpose_B=True, clear_accum=clear)
+
+    def tile(p, a, b, c):
+        # tile p's buffer among a, b, c (smqa_tile: a select)
+        return T.call_extern("handle", "smqa_tile", p, T.address_of(a[0, 0]), T.address_of(b[0, 0]),
+                             T.address_of(c[0, 0]))
+
+    @T.macro
+    def count_block(Hist, rows_s, red_s, bar_sums, b_i, i, tx):
+        # WG0 counts block i once WG1's four warps have put their sums (in order: a fixed sum)
+        T.barrier_wait(bar_sums, i & 1)
+        if tx < BI:
+            if rows_s[i % ROW_LISTS, tx] >= 0:
+                T.call_extern("handle", "smqa_octave_add", T.address_of(Hist[b_i, rows_s[i % ROW_LISTS, tx], 0]),
+                              (red_s[tx] + red_s[BI + tx] + red_s[2 * BI + tx] + red_s[3 * BI + tx]) * margin)
 
     @T.macro
     def out_rows(O, ob, b_i, s_i, h0, heads, tx):
@@ -226,7 +272,15 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                     ob[(i * OC + c) * 8 + v] = O[b_i, s_i, T.min(h0 + i * 8 + w, heads - 1), (c * 32 + lane) * 8 + v]
 
     @T.macro
-    def heads_prep(Q_shared, dO_shared, delta_s, c_s, g_s, ob, st, h0, heads, sm_abs, tx):
+    def max_abs(st, buf, cols, h, lane):
+        # st[2] = max(st[2], |buf[h, :cols]|), this lane's 16-byte chunks
+        for c in T.unroll(T.ceildiv(cols // 8, 32)):
+            if c * 32 + lane < cols // 8:
+                for v in T.unroll(8):
+                    st[2] = T.max(st[2], T.abs(T.cast(buf[h, (c * 32 + lane) * 8 + v], f32)))
+
+    @T.macro
+    def heads_prep(Qv, Qr, dO_shared, delta_s, c_s, g_s, ob, st, h0, heads, sm_abs, tx):
         # warp w takes heads w, w + 8, ...: Delta (its lanes' columns in order, then the butterfly), max|q|, max|dO|
         # (st: Delta, max|dO|, max|q| of the head in hand)
         w, lane = tx // 32, tx % 32
@@ -238,10 +292,9 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                 for v in T.unroll(8):
                     st[0] += T.cast(ob[(i * OC + c) * 8 + v], f32) * T.cast(dO_shared[h, (c * 32 + lane) * 8 + v], f32)
                     st[1] = T.max(st[1], T.abs(T.cast(dO_shared[h, (c * 32 + lane) * 8 + v], f32)))
-            for c in T.unroll(T.ceildiv(dqk // 8, 32)):
-                if c * 32 + lane < dqk // 8:
-                    for v in T.unroll(8):
-                        st[2] = T.max(st[2], T.abs(T.cast(Q_shared[h, (c * 32 + lane) * 8 + v], f32)))
+            max_abs(st, Qv, dv, h, lane)
+            if rope:
+                max_abs(st, Qr, rope, h, lane)
             st[0] = T.warp_reduce_sum(st[0])
             st[1] = T.warp_reduce_max(st[1])
             st[2] = T.warp_reduce_max(st[2])
@@ -273,37 +326,47 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
         with T.Kernel(whole + (n_rows - whole) * pieces, batch, groups, threads=THREADS,
                       prelude=CP_ROW_PRELUDE + PRELUDE
                       + (backward_ws.TRACE_PRELUDE + TRACE_CLOCK if trace else "")) as (bx, by, bz):
-            Q_shared = T.alloc_shared([HG, dqk], bf16)
+            Qv = T.alloc_shared([HG, dv], bf16)
             dO_shared = T.alloc_shared([HG, dv], bf16)
-            KVa = T.alloc_shared([BI, dqk], bf16)  # even blocks
-            # once q and dO are in registers: odd blocks' tile over q, the hand-over buffer (WG1's factor for each
-            # (head, slot), at ex_at) over dO. TileLang indexes a view through its tile's layout, so only TileLang
-            # accesses may touch them (a raw pointer into ex would miss that mapping)
-            KVb = T.view(Q_shared, [BI, dqk], bf16)
-            ex = T.view(dO_shared, [HG * dv // 2], f32)
-            red_s = T.alloc_shared([4 * BI], f32)  # WG0's four warps' sums over their heads
-            idx2 = T.alloc_shared([2, BI], i32)
+            Va = T.alloc_shared([BI, dv], bf16)  # tile 0
+            if rope:
+                Qr = T.alloc_shared([HG, rope], bf16)
+                Ra = T.alloc_shared([BI, rope], bf16)
+                Rb = T.view(Qr, [BI, rope], bf16)
+                Rc = T.alloc_shared([BI, rope], bf16)
+                q_r = T.alloc_fragment([HG, rope], bf16)
+            else:
+                Qr, Ra, Rb, Rc = None, None, None, None  # no second buffers: passed along, never touched
+            # tiles 1 and 2 over q and dO once both are in registers. Each tile's V buffer holds its block's hand-over
+            # (WG0's P, smqa_ex_put) once both products have read it: raw shared memory to both warpgroups, whatever
+            # the tile's layout
+            Vb = T.view(Qv, [BI, dv], bf16)
+            Vc = T.view(dO_shared, [BI, dv], bf16)
+            red_s = T.alloc_shared([4 * BI], f32)  # WG1's four warps' sums over their heads, for WG0 to count
+            rows_s = T.alloc_shared([ROW_LISTS, BI], i32)
             delta_s = T.alloc_shared([HG], f32)
             c_s = T.alloc_shared([HG], f32)
             g_s = T.alloc_shared([HG], f32)
-            q_f = T.alloc_fragment([HG, dqk], bf16)  # WG0's
+            q_v = T.alloc_fragment([HG, dv], bf16)  # WG0's
             do_f = T.alloc_fragment([HG, dv], bf16)  # WG1's
-            acc = T.alloc_fragment([HG, BI], f32)  # WG0: S, then P, then its terms
-            accp = T.alloc_fragment([HG, BI], f32)  # WG1: dP
+            acc = T.alloc_fragment([HG, BI], f32)  # WG0: S, then P
+            accp = T.alloc_fragment([HG, BI], f32)  # WG1: dP, then its factor, then the terms
             lse_f = T.alloc_fragment([HG], f32)
             c_f = T.alloc_fragment([HG], f32)
             g_f = T.alloc_fragment([HG], f32)
             d_f = T.alloc_fragment([HG], f32)
             nxt = T.alloc_local([PASSES], i32)
+            off = T.alloc_local([2], i32)  # the producer's: its tile's bytes past tile 0's, V's and the rest's
             jr = T.alloc_local([PASSES], i32)
             ob = T.alloc_local([HG // 8 * dv // 32], bf16)  # this thread's out columns of its warp's 8 heads
             st = T.alloc_local([3], f32)
             bar_q = T.alloc_barrier(arrive_count=1)  # q and dO landed (TMA)
             # the producer's copies into a tile have landed: 128 cp.async arrivals and 128 plain ones
-            bar_full = T.alloc_barrier(arrive_count=[256, 256])
-            bar_free = T.alloc_barrier(arrive_count=[128, 128])  # WG0 is done with a tile and its rows
-            bar_exfull = T.alloc_barrier(arrive_count=128)  # WG1 has written ex
-            bar_exfree = T.alloc_barrier(arrive_count=128)  # WG0 has read it
+            bar_full = T.alloc_barrier(arrive_count=[256] * TILES)
+            bar_free = T.alloc_barrier(arrive_count=[128] * TILES)  # WG1 has read a tile's hand-over
+            bar_dpdone = T.alloc_barrier(arrive_count=128)  # WG1's dP of the block is done: its tile may take P
+            bar_pfull = T.alloc_barrier(arrive_count=128)  # WG0 has written P (and counted the block before)
+            bar_sums = T.alloc_barrier(arrive_count=128)  # WG1 has written the block's sums
             bar_regs = T.alloc_barrier(arrive_count=256)  # WG0 and WG1 have q and dO in registers
             if trace:
                 stamps = trace_alloc()
@@ -324,11 +387,13 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             n_mine = T.min(n_valid, kb1 * BI)  # slots past this piece's blocks are the next piece's: not copied here
             if tx >= 256:  # block 0's copies fly with q and dO
                 prefetch_rows(nxt, Indices, b_i, s_i, kb0, n_mine, tx - 256)
-                issue(KVa, KV, nxt, jr, Indices, b_i, s_i, kb0, n_mine, seq_kv, tx - 256)
-                publish(idx2, jr, 0, tx - 256)
+                off[0] = 0
+                off[1] = 0
+                issue(Va, Ra, off, KV, nxt, jr, Indices, b_i, s_i, kb0, n_mine, seq_kv, tx - 256)
+                publish(rows_s, jr, 0, tx - 256)
                 T.cp_async_barrier_noinc(bar_full[0])
                 T.barrier_arrive(bar_full[0])
-            load_query(Q, dO, Q_shared, dO_shared, bar_q, b_i, s_i, h0)
+            load_query(Q, dO, Qv, Qr, dO_shared, bar_q, b_i, s_i, h0)
             if tx < 256:
                 out_rows(O, ob, b_i, s_i, h0, heads, tx)
             T.mbarrier_wait_parity(bar_q, 0)
@@ -336,7 +401,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             if trace:
                 stamp(stamps, "query_ready")
             if tx < 256:
-                heads_prep(Q_shared, dO_shared, delta_s, c_s, g_s, ob, st, h0, heads, T.abs(sm_scale), tx)
+                heads_prep(Qv, Qr, dO_shared, delta_s, c_s, g_s, ob, st, h0, heads, T.abs(sm_scale), tx)
             T.sync_threads()
             if trace:
                 stamp(stamps, "prep_done")
@@ -344,8 +409,10 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                 Delta[b_i, s_i, h0 + tx] = delta_s[tx]
             if tx < 128:
                 T.set_max_nreg(NREG[0], 1)
-                T.copy(Q_shared, q_f)
-                T.barrier_arrive(bar_regs)  # then KVb and ex (over q and dO) may be written
+                T.copy(Qv, q_v)
+                if rope:
+                    T.copy(Qr, q_r)
+                T.barrier_arrive(bar_regs)  # then tiles 1 and 2 (over q and dO) may be written
                 # padded heads: lse +inf, so P = 0 there
                 for h in T.Parallel(HG):
                     lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, T.min(h0 + h, heads - 1)],
@@ -354,11 +421,15 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                     stamp(stamps, "loop_start")
                     c0[0] = T.call_extern("int32", "smqa_clk")
                 for i in T.serial(n_blk):
-                    p = i % 2
+                    p = i % TILES
                     T.barrier_wait(bar_full[p], tile_parity(i))
                     if trace:
                         tick(ph, c0, "wg0_full", 0)
-                    tile_product(q_f, KVa, KVb, acc, p, dqk)
+                    T.fence_proxy_async()
+                    tile_product(q_v, Va, Vb, Vc, acc, p, True)
+                    if rope:
+                        tile_product(q_r, Ra, Rb, Rc, acc, p, False)
+                    T.wait_wgmma(0)
                     if trace:
                         tick(ph, c0, "wg0_s", 0)
                     # a slot no valid row backs holds whatever its tile row held: its column is never counted
@@ -366,28 +437,22 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                         acc[h, j] = T.exp2(acc[h, j] * c2 - lse_f[h])
                     if trace:
                         tick(ph, c0, "wg0_p", 0)
-                    T.barrier_wait(bar_exfull, i & 1)
-                    if trace:
-                        tick(ph, c0, "wg0_exfull", 0)
-                    for h, j in T.Parallel(HG, BI):
-                        acc[h, j] = acc[h, j] * ex[ex_at(h, j)]
-                    T.barrier_arrive(bar_exfree)
-                    T.call_extern("handle", "smqa_col_sums", acc.data, T.address_of(red_s[0]), tx)
-                    T.sync_threads(WG0_SUMS, 128)
-                    if trace:
-                        tick(ph, c0, "wg0_sums", 0)
-                    if tx < BI:
-                        if idx2[p, tx] >= 0:
-                            T.call_extern("handle", "smqa_octave_add", T.address_of(Hist[b_i, idx2[p, tx], 0]),
-                                          (red_s[tx] + red_s[BI + tx] + red_s[2 * BI + tx] + red_s[3 * BI + tx])
-                                          * margin)
-                    T.sync_threads(WG0_SUMS, 128)  # the sums are read before the next block's sums go in
-                    T.barrier_arrive(bar_free[p])
+                    if i > 0:
+                        count_block(Hist, rows_s, red_s, bar_sums, b_i, i - 1, tx)
                     if trace:
                         tick(ph, c0, "wg0_count", 0)
+                    T.barrier_wait(bar_dpdone, i & 1)  # then P may go over the tile
+                    if trace:
+                        tick(ph, c0, "wg0_dpdone", 0)
+                    T.call_extern("handle", "smqa_ex_put", tile(p, Va, Qv, dO_shared), acc.data, tx)
+                    T.barrier_arrive(bar_pfull)  # and WG1 may write the next sums: this block's are counted
+                    if trace:
+                        tick(ph, c0, "wg0_put", 0)
+                if n_blk > 0:
+                    count_block(Hist, rows_s, red_s, bar_sums, b_i, n_blk - 1, tx)
                 if trace:
                     stamp_end(stamps, "loop_end", n_blk)
-                    T.sync_threads(WG0_SUMS, 128)  # WG0's Delta writes are done: the stamps go over them
+                    T.sync_threads(WG0_TRACE, 128)  # WG0's Delta writes are done: the stamps go over them
                     if tx == 0:
                         put(stamps, TRACE_SLOTS, lambda k: Delta[b_i, s_i, h0 + 2 * k])
                         put_phases(ph, 0, Delta, b_i, s_i, h0)
@@ -402,22 +467,29 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                 if trace:
                     c0[0] = T.call_extern("int32", "smqa_clk")
                 for i in T.serial(n_blk):
-                    p = i % 2
+                    p = i % TILES
                     T.barrier_wait(bar_full[p], tile_parity(i))
                     if trace:
                         tick(ph, c0, "wg1_full", 1)
-                    tile_product(do_f, KVa, KVb, accp, p, dv)
+                    T.fence_proxy_async()
+                    tile_product(do_f, Va, Vb, Vc, accp, p, True)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(bar_dpdone)
                     if trace:
                         tick(ph, c0, "wg1_dp", 1)
-                    if i > 0:
-                        T.barrier_wait(bar_exfree, (i - 1) & 1)
-                    if trace:
-                        tick(ph, c0, "wg1_exfree", 1)
                     for h, j in T.Parallel(HG, BI):
-                        ex[ex_at(h, j)] = c_f[h] * T.abs(accp[h, j] - d_f[h]) + g_f[h]
-                    T.barrier_arrive(bar_exfull)
+                        accp[h, j] = c_f[h] * T.abs(accp[h, j] - d_f[h]) + g_f[h]
                     if trace:
-                        tick(ph, c0, "wg1_put", 1)
+                        tick(ph, c0, "wg1_f", 1)
+                    T.barrier_wait(bar_pfull, i & 1)
+                    if trace:
+                        tick(ph, c0, "wg1_pfull", 1)
+                    T.call_extern("handle", "smqa_ex_mul", accp.data, tile(p, Va, Qv, dO_shared), tx - 128)
+                    T.barrier_arrive(bar_free[p])
+                    T.call_extern("handle", "smqa_col_sums", accp.data, T.address_of(red_s[0]), tx - 128)
+                    T.barrier_arrive(bar_sums)
+                    if trace:
+                        tick(ph, c0, "wg1_sums", 1)
                 if trace:
                     if tx == 128:
                         put_phases(ph, 1, Delta, b_i, s_i, h0)
@@ -426,18 +498,24 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                 T.barrier_wait(bar_regs, 0)
                 if trace:
                     c0[0] = T.call_extern("int32", "smqa_clk")
-                for i in T.serial(1, n_blk):  # block i into tile i % 2 once WG0 is done with block i - 2 there
-                    if i >= 2:
-                        T.barrier_wait(bar_free[i % 2], tile_parity(i - 2))
+                # block i into tile i % TILES once WG1 has read block i - TILES's hand-over there; its rows into list
+                # i % ROW_LISTS, which WG0 finished counting from (block i - 4) before it handed that one over
+                for i in T.serial(1, n_blk):
+                    p = i % TILES
+                    if i >= TILES:
+                        T.barrier_wait(bar_free[p], tile_parity(i - TILES))
                     if trace:
                         tick(ph, c0, "prod_free", 2)
-                    if i % 2 == 0:
-                        issue(KVa, KV, nxt, jr, Indices, b_i, s_i, kb0 + i, n_mine, seq_kv, tx - 256)
-                    else:
-                        issue(KVb, KV, nxt, jr, Indices, b_i, s_i, kb0 + i, n_mine, seq_kv, tx - 256)
-                    publish(idx2, jr, i % 2, tx - 256)
-                    T.cp_async_barrier_noinc(bar_full[i % 2])
-                    T.barrier_arrive(bar_full[i % 2])
+                    off[0] = T.call_extern("int32", "smqa_tile_off", p, T.address_of(Va[0, 0]), T.address_of(Qv[0, 0]),
+                                           T.address_of(dO_shared[0, 0]))
+                    off[1] = 0
+                    if rope:
+                        off[1] = T.call_extern("int32", "smqa_tile_off", p, T.address_of(Ra[0, 0]),
+                                               T.address_of(Qr[0, 0]), T.address_of(Rc[0, 0]))
+                    issue(Va, Ra, off, KV, nxt, jr, Indices, b_i, s_i, kb0 + i, n_mine, seq_kv, tx - 256)
+                    publish(rows_s, jr, i % ROW_LISTS, tx - 256)
+                    T.cp_async_barrier_noinc(bar_full[p])
+                    T.barrier_arrive(bar_full[p])
                     if trace:
                         tick(ph, c0, "prod_issue", 2)
                 if trace:

@@ -67,11 +67,15 @@ def test_only_valid_rows_are_sent(source):
     assert "p[i] = r >= 0 ?" in source and "if (q != nullptr)" in source
 
 
-def _tma_query(body: str, dqk: int = 576, dv: int = 512) -> int:
-    """q and dO come by TMA on one mbarrier (one elected thread expects both tiles' bytes, issues the copies and
-    arrives), never through registers or cp.async; returns where the wait for them is."""
-    assert re.search(rf"(\w+)\[0\]\.expect_transaction\({64 * dqk * 2}\);.*tl::tma_load\(Q_desc, \1\[0\].*"
-                     rf"\1\[0\]\.arrive_and_expect_tx\({64 * dv * 2}\);.*tl::tma_load\(dO_desc, \1\[0\]", body, re.S)
+def _tma_query(body: str, dqk: int = 576, dv: int = 512, q_parts=None) -> int:
+    """q and dO come by TMA on one mbarrier (one elected thread expects each tile's bytes and issues its copies, and
+    arrives with dO's), never through registers or cp.async; returns where the wait for them is. ``q_parts``: the
+    columns of each of q's buffers, in order (default: one buffer of dqk)."""
+    bar = re.search(r"(\w+)\[0\]\.expect_transaction\(", body).group(1)
+    q = "".join(rf"{bar}\[0\]\.expect_transaction\({64 * cols * 2}\);.*tl::tma_load\(Q_desc, {bar}\[0\].*"
+                for cols in q_parts or (dqk,))
+    assert re.search(q + rf"{bar}\[0\]\.arrive_and_expect_tx\({64 * dv * 2}\);.*tl::tma_load\(dO_desc, {bar}\[0\]",
+                     body, re.S)
     assert "*(uint4*)(Q + " not in body and "*(uint4*)(dO + " not in body
     assert not re.search(r"cp_async\w*<16>\(\(&\(\(\(bfloat16_t\*\)(Q|dO)_shared", body)
     wait = re.search(r"(\w+)\[0\]\.wait\(0\);", body[body.index("tl::tma_load(dO_desc"):])
@@ -93,18 +97,23 @@ def test_query_rows_arrive_by_tma(source):
 def test_bound_gather_copies_a_row_from_one_source_address(dqk):
     """The bound pass gathers a KV row's pieces with one ``smqa_cp_row`` call a row (``bwd_rows.CP_ROW_PRELUDE``):
     the source is the thread's first 16 bytes of the row, the other dqk / 64 pieces lie at 128-byte immediate offsets
-    from it, and each destination is an address the tile's layout gives. No KV row travels any other way."""
+    from it, and each destination is an address tile 0's layout gives, V's columns in its V buffer and the rest in its
+    second one, moved to the block's tile by that tile's offsets (``smqa_tile_off``: one copy of the code for every
+    tile). No KV row travels any other way."""
     from sparse_mqa_kernels import bwd_rows
 
     src = bwd_rows.compiled(dqk, 512)[0].get_kernel_source()
     body = _body(src)
-    calls = re.findall(r"smqa_cp_row<(\d+)>\(\(&\(KV\[(.*?)\]\)\), (.*?)\);\n", body)
-    assert len(calls) == 3  # block 0 into KVa, then the loop's KVa and KVb
-    for n, index, dst in calls:
-        assert int(n) == dqk // 64
+    calls = re.findall(r"smqa_cp_row<(\d+), (\d+)>\(\(&\(KV\[(.*?)\]\)\), off\[0\], off\[1\], (.*?)\);\n", body)
+    assert len(calls) == 2  # block 0 (offsets 0), then the loop's
+    for n, nv, index, dst in calls:
+        assert (int(n), int(nv)) == (dqk // 64, 8) and dst.count("(&(") == dqk // 64
+        assert re.findall(r"\(bfloat16_t\*\)(\w+)\)\[", dst) == ["Va"] * 8 + ["Ra"] * (dqk // 64 - 8)
         assert index.endswith("(((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))"), index
-        assert set(re.findall(r"\(bfloat16_t\*\)(\w+)\)\[", dst)) <= {"KVa", "KVb"} and dst.count("(&(") == dqk // 64
-    assert "cp_async_gs" not in body and "KV[" not in re.sub(r"smqa_cp_row<\d+>\(\(&\(KV\[", "", body)
+    offsets = re.findall(r"off\[(\d)\] = (?:smqa_tile_off\(\(\w+ % 3\), \(&\(\(\(bfloat16_t\*\)(\w+)\)|(0);)", body)
+    assert offsets.count(("0", "", "0")) == 1 and offsets.count(("1", "", "0")) == 2  # block 0: no offsets
+    assert ("0", "Va", "") in offsets and (("1", "Ra", "") in offsets) == (dqk > 512)
+    assert "cp_async_gs" not in body and "KV[" not in re.sub(r"smqa_cp_row<\d+, \d+>\(\(&\(KV\[", "", body)
     assert '"l"(s + 128 * u)' in src and "cp.async.cg.shared.global [%0], [%1], 16;" in src
 
 
@@ -229,10 +238,11 @@ def test_bound_trace_build_times_each_phase():
 @pytest.mark.parametrize("dims", [(576, 512), (512, 512)], ids=["576", "512"])
 def test_row_scale_kernels_compile_without_float_atomics(dims):
     """``bwd_rows``: the bound pass runs S (WG0) and dP (WG1) as [64 heads x 64 slots] wgmma with q and dO in
-    registers (only register-A products, each over its whole head dim, once for each of the two KV tiles), copies q
-    and dO by TMA and waits for them before its prologue forms and writes Delta, and counts each slot's bound with one
-    integer add (``smqa_octave_add``: red.add.u32), into its row's octave counts only, after a fixed-order sum over
-    heads (``smqa_col_sums``); shared memory fits an sm_90 block (the second tile and the hand-over over q and dO).
+    registers (only register-A products: for each of the three KV tiles, S over V's columns and over the rest, dP
+    over V's), copies q (in two buffers) and dO by TMA and waits for them before its prologue forms and writes Delta,
+    and counts each slot's bound with one integer add (``smqa_octave_add``: red.add.u32), into its row's octave counts
+    only, after a fixed-order sum over heads (``smqa_col_sums``); shared memory fits an sm_90 block (two tiles over q
+    and dO, each tile's hand-over over its V buffer).
     The row scales use no atomic; the conversion rounds float64 to bf16 once (cvt.rn.bf16.f64)."""
     from sparse_mqa_kernels import bwd_rows
     from sparse_mqa_kernels.target import SMEM_LIMIT
@@ -244,33 +254,42 @@ def test_row_scale_kernels_compile_without_float_atomics(dims):
     assert "wgmma_ss<" not in body
     products = re.findall(r"for \(int (ki\w*) = 0; \1 < (\d+); \+\+\1\) \{\s*tl::wgmma_rs<[^,]+, [^,]+, [^,]+, (\d+), "
                           r"(\d+), 16, [^>]*>\(reinterpret_cast<const uint32_t\*>\((\w+) \+", body)
+    rope = dqk - dv
     assert sorted((int(n), m, k, a) for _, n, m, k, a in products) == sorted(
-        [(dqk // 16, "64", "64", "q_f")] * 2 + [(dv // 16, "64", "64", "do_f")] * 2)
-    assert set(re.findall(r"(smqa_\w+)\(", body)) == {"smqa_octave_add", "smqa_col_sums"}
+        ([(dv // 16, "64", "64", "q_v")] + [(rope // 16, "64", "64", "q_r")] * (rope > 0)
+         + [(dv // 16, "64", "64", "do_f")]) * bwd_rows.TILES)
+    assert set(re.findall(r"(smqa_\w+)\(", body)) == {"smqa_octave_add", "smqa_col_sums", "smqa_tile", "smqa_tile_off",
+                                                       "smqa_ex_put", "smqa_ex_mul"}
+    # the hand-over: WG0 puts P, WG1 multiplies its factor by it, in the block's tile (a select of the three)
+    tiles = r"smqa_tile\(\(\w+ % 3\), \(&\(\(\(bfloat16_t\*\)Va\)\[0\]\)\), \(&\(\(\(bfloat16_t\*\)Vb\)\[0\]\)\), " \
+            r"\(&\(\(\(bfloat16_t\*\)Vc\)\[0\]\)\)\)"
+    assert re.search(r"smqa_ex_put\(" + tiles + r", acc, \(\(int\)threadIdx\.x\)\)", body)
+    assert re.search(r"smqa_ex_mul\(accp, " + tiles + r", \(\(\(int\)threadIdx\.x\) - 128\)\)", body)
     assert "globaltimer" not in bound and "stamps" not in body  # the timing probe's build only
     assert set(re.findall(r"smqa_octave_add\(\(&\((\w+)\[", body)) == {"Hist"}
     assert set(re.findall(r"\b(?:red|atom)\.[\w.]+", bound)) == {"red.relaxed.gpu.global.add.u32"}
-    wait = _tma_query(body, *dims)
+    wait = _tma_query(body, *dims, q_parts=(dv, rope) if rope else (dv,))
     assert wait < body.index("Delta[") < body.index("wgmma_rs")  # q and dO before Delta, both before the products
     # a row split over blocks (bwd_plan.bound_split): its first piece (top-k block 0) alone writes Delta
     assert re.search(r"&& \((condval_\d+) == 0\)\) \{\s*if \(\(s_i < seq_len\) && \(0 <= s_i\)\) \{\s*Delta\[", body)
     assert "int per_piece, int pieces" in body and "int whole" in body
     assert "tl::warp_reduce_sum" in body
-    # each named barrier belongs to one warpgroup: WG0's loop, WG1's, the producer's (its prologue share included)
+    # WG0 and WG1 meet only at mbarriers: no named barrier in their loops (the producer's share of the prologue has)
     wg0 = body.index("warpgroup_reg_alloc", wait)
     wg1 = body.index("warpgroup_reg_alloc", wg0 + 1)
     producer = body.index("warpgroup_reg_dealloc", wg1)
     ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", part))
            for part in (body[wg0:wg1], body[wg1:producer], body[:wg0] + body[producer:])]
-    assert all(ids) and not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2]), ids
+    assert not ids[0] and not ids[1] and ids[2], ids
     assert not re.search(r"__sync_thread_partial\(\d+, (?!128\))", body)
-    # q lands where odd blocks' tile goes, dO where the hand-over buffer goes (T.view): three big buffers in all
-    assert re.search(r"tma_load\(Q_desc, \w+\[0\], \(&\(\(\(bfloat16_t\*\)KVb\)", body)
-    assert re.search(r"tma_load\(dO_desc, \w+\[0\], \(&\(\(\(bfloat16_t\*\)ex\)", body)
+    # q's buffers land where tile b goes, dO where tile c goes (T.view): the tiles' buffers, q's and dO's among them
+    assert re.search(r"tma_load\(Q_desc, \w+\[0\], \(&\(\(\(bfloat16_t\*\)Vb\)", body)
+    assert not rope or re.search(r"tma_load\(Q_desc, \w+\[0\], \(&\(\(\(bfloat16_t\*\)Rb\)", body)
+    assert re.search(r"tma_load\(dO_desc, \w+\[0\], \(&\(\(\(bfloat16_t\*\)Vc\)", body)
     shared = r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);"
     offsets = {m[0]: int(m[1]) for m in re.findall(shared, body)}
-    sizes = {"KVa": 64 * dqk * 2, "KVb": 64 * dqk * 2, "ex": 64 * dv * 2, "red_s": 4 * 64 * 4, "idx2": 2 * 64 * 4,
-             "delta_s": 256, "c_s": 256, "g_s": 256}
+    sizes = {**{"V" + t: 64 * dv * 2 for t in "abc"}, **{"R" + t: 64 * rope * 2 for t in "abc" if rope},
+             "red_s": 4 * 64 * 4, "rows_s": bwd_rows.ROW_LISTS * 64 * 4, "delta_s": 256, "c_s": 256, "g_s": 256}
     assert set(offsets) == set(sizes) and max(offsets[b] + sizes[b] for b in sizes) <= SMEM_LIMIT
     for src in (scales, convert):
         assert "atomic" not in src.lower() and "red." not in src
