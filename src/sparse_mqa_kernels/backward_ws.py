@@ -92,14 +92,21 @@ def read_parity(kb, c, nch: int):
     return (kb * nch + c + 1) & 1
 
 
-def query_tiles(T, HG: int):
+def query_tiles(T, HG: int, split: int = 0, dqk: int = 0):
     """``load_query`` (a T.macro): one query's q and dO rows of a head group into shared memory by TMA, completing
-    one phase of the mbarrier ``bar`` (arrival count 1: one elected thread issues both copies and arrives); rows past
-    the tensor's heads arrive as zeros (the copy's out-of-bounds fill). The caller waits on ``bar``."""
+    one phase of the mbarrier ``bar`` (arrival count 1: one elected thread issues the copies and arrives); rows past
+    the tensor's heads arrive as zeros (the copy's out-of-bounds fill). The caller waits on ``bar``. With ``split``
+    (and ``dqk``), q's columns below it go to ``Q_shared`` and the rest to ``Q_rest``; else all of q to ``Q_shared``
+    (``Q_rest`` unused)."""
 
     @T.macro
-    def load_query(Q, dO, Q_shared, dO_shared, bar, b_i, s_i, h0):
-        T.tma_copy(Q[b_i, s_i, h0:h0 + HG, :], Q_shared, barrier=bar)
+    def load_query(Q, dO, Q_shared, Q_rest, dO_shared, bar, b_i, s_i, h0):
+        if split:
+            T.tma_copy(Q[b_i, s_i, h0:h0 + HG, 0:split], Q_shared, barrier=bar)
+            if dqk > split:
+                T.tma_copy(Q[b_i, s_i, h0:h0 + HG, split:dqk], Q_rest, barrier=bar)
+        else:
+            T.tma_copy(Q[b_i, s_i, h0:h0 + HG, :], Q_shared, barrier=bar)
         T.tma_copy(dO[b_i, s_i, h0:h0 + HG, :], dO_shared, barrier=bar, annotations={"emit_arrive": 1})
 
     return load_query
@@ -280,7 +287,7 @@ def build_program(key, trace: bool = False):
             # WG0's first block goes out while q and dO fly (k_ready tracks the block, bar_q the query)
             if tx < 128:
                 next_rows(idx_n, Indices, b_i, s_i, 0, n_valid, tx)
-            load_query(Q, dO, Q_shared, dO_shared, bar_q, b_i, s_i, h0)
+            load_query(Q, dO, Q_shared, None, dO_shared, bar_q, b_i, s_i, h0)
             if tx < 128:
                 gather_first(KV_shared, idx_shared, scale_shared, KV, RowScale, idx_n, sc_n, bar_k_ready, b_i, n_valid,
                              seq_kv, tx)

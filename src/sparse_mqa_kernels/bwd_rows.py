@@ -211,6 +211,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
     margin = 1.0 + bwd_plan.BOUND_MARGIN
+    load_query = backward_ws.query_tiles(T, HG, split=dv, dqk=dqk)  # q in two buffers: V's columns, the rest
     prefetch_rows, issue, publish = gather_macros(T, BI, ROWS, dqk, ahead=1, split=dv)
     trace_alloc, stamp, stamp_end, put = backward_ws.tracing(T, TRACE_SLOTS)
     slot_of = {name: len(TRACE_SLOTS) + k for k, name in enumerate(n for role in TRACE_PHASES for n in role)}
@@ -229,14 +230,6 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                           T.cast(ph[k], T.int64))
 
     assert HG * BI <= HG * dv // 2 and BI == HG  # the hand-over fits in a tile's V buffer; tiles b, c view q's, dO's
-
-    @T.macro
-    def load_query(Q, dO, Qv, Qr, dO_shared, bar, b_i, s_i, h0):
-        # q's two buffers and dO by TMA on one mbarrier (rows past the tensor's heads arrive as zeros)
-        T.tma_copy(Q[b_i, s_i, h0:h0 + HG, 0:dv], Qv, barrier=bar)
-        if rope:
-            T.tma_copy(Q[b_i, s_i, h0:h0 + HG, dv:dqk], Qr, barrier=bar)
-        T.tma_copy(dO[b_i, s_i, h0:h0 + HG, :], dO_shared, barrier=bar, annotations={"emit_arrive": 1})
 
     @T.macro
     def tile_product(rows_f, V0, V1, V2, acc, p, clear):
