@@ -241,10 +241,9 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
         else:
             T.wgmma_gemm(rows_f, V2, acc, transpose_B=True, clear_accum=clear)
 
-    def tile(p, a, b, c):
-        # tile p's buffer among a, b, c (smqa_tile: a select)
-        return T.call_extern("handle", "smqa_tile", p, T.address_of(a[0, 0]), T.address_of(b[0, 0]),
-                             T.address_of(c[0, 0]))
+    def tile(p, a, b, c, dtype="handle", helper="smqa_tile"):
+        # tile p's buffer among a, b, c (smqa_tile: a select), or its bytes past a's (smqa_tile_off, int32)
+        return T.call_extern(dtype, helper, p, T.address_of(a[0, 0]), T.address_of(b[0, 0]), T.address_of(c[0, 0]))
 
     @T.macro
     def count_block(Hist, rows_s, red_s, bar_sums, b_i, i, tx):
@@ -499,12 +498,10 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                         T.barrier_wait(bar_free[p], tile_parity(i - TILES))
                     if trace:
                         tick(ph, c0, "prod_free", 2)
-                    off[0] = T.call_extern("int32", "smqa_tile_off", p, T.address_of(Va[0, 0]), T.address_of(Qv[0, 0]),
-                                           T.address_of(dO_shared[0, 0]))
+                    off[0] = tile(p, Va, Qv, dO_shared, "int32", "smqa_tile_off")
                     off[1] = 0
                     if rope:
-                        off[1] = T.call_extern("int32", "smqa_tile_off", p, T.address_of(Ra[0, 0]),
-                                               T.address_of(Qr[0, 0]), T.address_of(Rc[0, 0]))
+                        off[1] = tile(p, Ra, Qr, Rc, "int32", "smqa_tile_off")
                     issue(Va, Ra, off, KV, nxt, jr, Indices, b_i, s_i, kb0 + i, n_mine, seq_kv, tx - 256)
                     publish(rows_s, jr, i % ROW_LISTS, tx - 256)
                     T.cp_async_barrier_noinc(bar_full[p])
