@@ -8,7 +8,11 @@ instructions, with the instructions that form each wait's address, so the barrie
     ncu --clock-control none --profile-from-start off --set full --import-source no -k regex:sparse_mqa_bwd_ws -c 1 \\
         --export ws python benchmarks/profile_backward.py --backward tilelang --preset anchor --sink
     ncu --import ws.ncu-rep --page source --csv --print-source sass | gzip > ws-sass.csv.gz
-    python benchmarks/ncu_warpgroups.py ws-sass.csv.gz [--top 8]
+    python benchmarks/ncu_warpgroups.py ws-sass.csv.gz [--top 8] [--smem]
+
+``--smem`` adds each role's shared-memory wavefronts by instruction kind (the page's ``L1 Wavefronts Shared`` and its
+``Excessive`` part: bank conflicts and split lines), the wgmma operand reads (``HGMMA``) among them, with ``--set
+full``'s counters.
 
 In ``sparse_mqa_bwd_ws`` the sender's region is the one whose setmaxnreg gives registers back (``DEALLOC``); WG0's
 is the one with the KV gather (``LDGSTS``) and the [64 heads x BI slots] products (``HGMMA.64xBI``).
@@ -25,23 +29,56 @@ import sys
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
+WAVEFRONTS = ("L1 Wavefronts Shared", "L1 Wavefronts Shared Excessive")
 
 
-def read(path: str) -> list[tuple[int, str, int, int, dict]]:
-    """(address, SASS, samples, executions, {stall reason: samples}) per instruction, in address order."""
+def _rows(path: str):
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", newline="") as f:
         rows = list(csv.reader(f))
     header = next(r for r in rows if r and r[0] == "Address")
-    col = {h: i for i, h in enumerate(header)}
-    reasons = [h for h in header if h.startswith("stall_") and "(Not Issued)" not in h]
-    out = []
-    for r in rows[rows.index(header) + 1:]:
-        if len(r) < len(header) or not r[0].startswith("0x"):
-            continue
-        out.append((int(r[0], 16), r[1].strip(), int(r[col[SAMPLES]] or 0), int(r[col[EXECUTED]] or 0),
-                    {k[len("stall_"):]: int(r[col[k]] or 0) for k in reasons}))
+    body = [r for r in rows[rows.index(header) + 1:] if len(r) >= len(header) and r[0].startswith("0x")]
+    return {h: i for i, h in enumerate(header)}, body
+
+
+def _int(text: str) -> int:
+    return int(float(text.replace(",", ""))) if text and text != "-" else 0
+
+
+def read(path: str) -> list[tuple[int, str, int, int, dict]]:
+    """(address, SASS, samples, executions, {stall reason: samples}) per instruction, in address order."""
+    col, body = _rows(path)
+    reasons = [h for h in col if h.startswith("stall_") and "(Not Issued)" not in h]
+    out = [(int(r[0], 16), r[1].strip(), _int(r[col[SAMPLES]]), _int(r[col[EXECUTED]]),
+            {k[len("stall_"):]: _int(r[col[k]]) for k in reasons}) for r in body]
     return sorted(out)
+
+
+def smem_wavefronts(path: str) -> list[tuple[str, dict]]:
+    """Per role (cut as ``regions`` cuts them): {instruction kind: [shared-memory wavefronts, excessive ones]}."""
+    col, body = _rows(path)
+    ins = sorted((int(r[0], 16), r[1].strip(), *(_int(r[col[w]]) for w in WAVEFRONTS)) for r in body)
+    out = []
+    for reg in regions([(a, sass, 0, 0, {}) for a, sass, *_ in ins]):
+        kinds = collections.defaultdict(lambda: [0, 0])
+        for a, sass, wf, excessive in ins:
+            if reg["ins"][0][0] <= a <= reg["ins"][-1][0] and wf:
+                op = re.sub(r"^@!?U?P[T0-9]+\s+", "", sass).split(None, 1)[0].split(".")[0]
+                kinds[op][0] += wf
+                kinds[op][1] += excessive
+        out.append((reg["name"], dict(kinds)))
+    return out
+
+
+def smem_report(path: str) -> str:
+    roles = smem_wavefronts(path)
+    total = sum(v[0] for _, kinds in roles for v in kinds.values()) or 1
+    lines = [f"== shared-memory wavefronts: {total / 1e6:.1f} M"]
+    for name, kinds in roles:
+        for op, (wf, excessive) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+            lines.append(f"   {name[:40]:40s} {op:8s} {wf / 1e6:8.1f} M ({100 * wf / total:4.1f} %), "
+                         f"excessive {excessive / 1e6:.1f} M")
+    return "\n".join(lines)
 
 
 def regions(ins) -> list[dict]:
@@ -111,8 +148,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("csv", help="ncu --page source --csv --print-source sass output (.gz or plain)")
     p.add_argument("--top", type=int, default=8, help="costliest instructions shown a region")
+    p.add_argument("--smem", action="store_true", help="also each role's shared-memory wavefronts by instruction kind")
     args = p.parse_args(argv)
     print(report(read(args.csv), args.top))
+    if args.smem:
+        print(smem_report(args.csv))
     return 0
 
 

@@ -56,3 +56,25 @@ def test_a_wait_is_its_branch_on_the_checks_predicate(tmp_path):
     body = NCU.regions(ins)[0]["ins"]
     assert NCU.wait_sites(body) == {22: 1}
     assert "at mbarrier waits: 80.0 % of its samples, 1 sites" in NCU.report(ins, top=1)
+
+
+def test_shared_memory_wavefronts_are_summed_per_role_and_instruction_kind(tmp_path):
+    header = ["Address", "Source", NCU.SAMPLES, NCU.EXECUTED, *NCU.WAVEFRONTS]
+    rows = [("0x100", "LDGSTS.E.BYPASS.128 [R9+0x22000], desc[UR4][R18.64]", 1, 4, "8", "4"),
+            ("0x110", "USETMAXREG.DEALLOC.CTAPOOL 0x40", 0, 4, "0", "0"),
+            ("0x120", "LDS R2, [R27+-0x6000]", 5, 4, "1,000", "0"),
+            ("0x130", "@!P6 LDS R3, [R27+-0x5f00]", 5, 4, "24", "-"),
+            ("0x140", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xd8", 0, 4, "0", "0"),
+            ("0x150", "HGMMA.64x48x16.F32.BF16 R184, gdesc[UR28].tnspA.tnspB, R184", 9, 4, "28", "0"),
+            ("0x160", "STS [R20+0x40], R3", 2, 4, "6", "2"),
+            ("0x170", "FMUL R3, R4, R184", 2, 4, "0", "0")]
+    lines = ['"Kernel Name","k",', ",".join(f'"{c}"' for c in header)]
+    lines += [",".join(f'"{c}"' for c in r) for r in rows]
+    path = tmp_path / "sass.csv.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    roles = NCU.smem_wavefronts(str(path))
+    assert [kinds for _, kinds in roles] == [{"LDGSTS": [8, 4]}, {"LDS": [1024, 0]},
+                                             {"HGMMA": [28, 0], "STS": [6, 2]}]
+    out = NCU.smem_report(str(path))
+    assert "shared-memory wavefronts: 0.0 M" in out and "LDS" in out and "FMUL" not in out

@@ -1,0 +1,38 @@
+"""The kernel A/B tool (benchmarks/ab_kernels.py) on CPU: how builds are named and loaded, and what it reports when
+outputs differ. Its GPU runs are recorded in BENCHMARKS.md."""
+import pathlib
+
+import pytest
+import torch
+
+from support import benchmark_module
+
+AB = benchmark_module("ab_kernels")
+SRC = pathlib.Path(__file__).parents[2] / "src" / "sparse_mqa_kernels"
+
+
+def test_builds_are_name_path_pairs_in_order(tmp_path):
+    f = tmp_path / "k.py"
+    f.write_text("")
+    assert AB.parse_builds([f"base={f}", f"new={f}"]) == [("base", str(f)), ("new", str(f))]
+    for bad, says in [(["base"], "name=path"), ([f"={f}"], "name=path"), (["x=/no/such.py"], "is not a file"),
+                      ([f"a={f}", f"a={f}"], "must differ")]:
+        with pytest.raises(SystemExit, match=says):
+            AB.parse_builds(bad)
+
+
+@pytest.mark.parametrize("module, entry", [("backward_ws.py", "build_program"), ("bwd_rows.py", "build_bound")])
+def test_a_kernel_file_loads_beside_the_package(module, entry):
+    """A copy of a kernel module loads as a submodule of sparse_mqa_kernels, so its relative imports resolve."""
+    mod = AB.load(str(SRC / module), "t")
+    assert mod.__name__ == "sparse_mqa_kernels._ab_t" and callable(getattr(mod, entry))
+
+
+def test_compare_names_what_differs_and_in_how_many_rows():
+    a = (torch.zeros(1, 4, 3), torch.zeros(1, 8, 2, dtype=torch.int32))
+    b = (a[0].clone(), a[1].clone())
+    assert AB.compare(a, b) == "equal"
+    b[0][0, 1, 2] = 1.0
+    b[1][0, 5] = 7
+    b[1][0, 6, 1] = -1
+    assert AB.compare(a, b) == "dq: 1 of 4 rows differ; sums: 2 of 8 rows differ"
