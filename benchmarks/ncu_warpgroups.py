@@ -63,7 +63,7 @@ def smem_wavefronts(path: str) -> list[tuple[str, dict]]:
         kinds = collections.defaultdict(lambda: [0, 0])
         for a, sass, wf, excessive in ins:
             if reg["ins"][0][0] <= a <= reg["ins"][-1][0] and wf:
-                op = re.sub(r"^@!?U?P[T0-9]+\s+", "", sass).split(None, 1)[0].split(".")[0]
+                op = _unguarded(sass).split(None, 1)[0].split(".")[0]
                 kinds[op][0] += wf
                 kinds[op][1] += excessive
         out.append((reg["name"], dict(kinds)))
@@ -97,10 +97,15 @@ def regions(ins) -> list[dict]:
     return [r for r in out if r["ins"]]
 
 
+def _unguarded(sass: str) -> str:
+    """An instruction without its guard predicate."""
+    return re.sub(r"^@!?U?P[T0-9]+\s+", "", sass)
+
+
 def _writes(sass: str, pred: str) -> bool:
     """Whether an instruction writes predicate ``pred``: SASS lists destinations first (a predicate destination can
     follow a register one, as a carry-out)."""
-    ops = re.sub(r"^@!?U?P[T0-9]+\s+", "", sass).split(None, 1)  # without the instruction's guard predicate
+    ops = _unguarded(sass).split(None, 1)
     dests = ops[1].split(",")[:2] if len(ops) > 1 else []
     return any(d.strip() == pred for d in dests)
 
