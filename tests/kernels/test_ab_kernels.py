@@ -36,3 +36,14 @@ def test_compare_names_what_differs_and_in_how_many_rows():
     b[1][0, 5] = 7
     b[1][0, 6, 1] = -1
     assert AB.compare(a, b) == "dq: 1 of 4 rows differ; sums: 2 of 8 rows differ"
+
+
+def test_compile_only_builds_each_file_for_the_presets_variant(capsys):
+    """``--compile-only`` builds every file for sm_90a (no GPU), as the GPU run would; here two copies of the tree's
+    bound pass, which the compile tests build too (the same source: TileLang's cache serves it)."""
+    pytest.importorskip("tilelang")
+    path = str(SRC / "bwd_rows.py")
+    assert AB.main(["bound", f"a={path}", f"b={path}", "--preset", "anchor", "--compile-only"]) == 0
+    assert "[anchor] built a, b in " in capsys.readouterr().out  # (TileLang logs to stdout too)
+    with pytest.raises(SystemExit, match="choose from"):
+        AB.main(["bound", f"a={path}", "--preset", "nope", "--compile-only"])
