@@ -153,13 +153,15 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"--preset {', '.join(unknown)}: choose from {', '.join(PRESETS)}")
     mods = {name: load(path, name) for name, path in builds}
-    kernels = {}
+    kernels, by_key = {}, {}  # presets of one variant share its builds
     for preset in presets:
         s = PRESETS[preset]
         key = bwd_plan.make_plan(s.B, s.S, s.Skv, s.H, s.L, s.Dqk, s.Dv).key()
-        t0 = time.monotonic()
-        kernels[preset] = {n: build(args.kernel, m, s.Dqk, s.Dv, key) for n, m in mods.items()}
-        print(f"[{preset}] built {', '.join(mods)} in {time.monotonic() - t0:.1f} s", flush=True)
+        if key not in by_key:
+            t0 = time.monotonic()
+            by_key[key] = {n: build(args.kernel, m, s.Dqk, s.Dv, key) for n, m in mods.items()}
+            print(f"[{preset}] built {', '.join(mods)} in {time.monotonic() - t0:.1f} s", flush=True)
+        kernels[preset] = by_key[key]
     if args.compile_only:
         return 0
     names = ("dq", "sums") if args.kernel == "main" else ("Delta", "counts")
