@@ -85,8 +85,9 @@ __device__ __forceinline__ void smqa_ex_mul(float* acc, const void* ex, int t) {
 }
 // tile p's buffer (a, b or c): a select, so that one copy of the code serves every tile
 __device__ __forceinline__ void* smqa_tile(int p, void* a, void* b, void* c) { return p == 0 ? a : (p == 1 ? b : c); }
-__device__ __forceinline__ int smqa_tile_off(int p, const void* a, const void* b, const void* c) {
-  return static_cast<int>(static_cast<const char*>(p == 0 ? a : (p == 1 ? b : c)) - static_cast<const char*>(a));
+// ... and its bytes past a
+__device__ __forceinline__ int smqa_tile_off(int p, void* a, void* b, void* c) {
+  return static_cast<int>(static_cast<char*>(smqa_tile(p, a, b, c)) - static_cast<char*>(a));
 }
 """
 # cp.async of a KV row's N 16-byte pieces (chunks) of this thread, 128 bytes apart in global memory: one source
