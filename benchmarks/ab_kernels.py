@@ -10,7 +10,8 @@ The bound pass, the row scales and ``out`` / ``lse`` come from the tree's kernel
 Each build runs twice (its repeat is checked bitwise) and its outputs are compared with the first build's: dq and the
 int32 sums for the main kernel, Delta and the octave counts for the bound pass ("equal" is bitwise). Then rounds of
 calls alternate between builds (CUDA events, medians) and each build's median is printed against the first's. A copy
-that ablates part of a kernel (results wrong, timing only) shows what that part costs.
+that ablates part of a kernel (results wrong, timing only) shows what that part costs. A module's ``PASS_CONFIGS``
+(a dict, where it has one) goes to ``tilelang.compile``, e.g. to switch off TileLang's automatic barriers.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def build(kernel: str, mod, dqk: int, dv: int, key):
     from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET
 
     program = mod.build_program(key) if kernel == "main" else mod.build_bound(dqk, dv)
-    return tilelang.compile(program, out_idx=None, target=TARGET, execution_backend=EXECUTION_BACKEND)
+    return tilelang.compile(program, out_idx=None, target=TARGET, pass_configs=getattr(mod, "PASS_CONFIGS", None),
+                            execution_backend=EXECUTION_BACKEND)
 
 
 def _inputs(preset: str):

@@ -47,3 +47,25 @@ def test_compile_only_builds_each_file_for_the_presets_variant(capsys):
     assert "[anchor] built a, b in " in capsys.readouterr().out  # (TileLang logs to stdout too)
     with pytest.raises(SystemExit, match="choose from"):
         AB.main(["bound", f"a={path}", "--preset", "nope", "--compile-only"])
+
+
+def test_a_modules_pass_configs_reach_the_compiler(monkeypatch):
+    """A copy's ``PASS_CONFIGS`` goes to ``tilelang.compile`` (how a copy switches off TileLang's automatic barriers);
+    a module without one compiles with TileLang's defaults."""
+    tilelang = pytest.importorskip("tilelang")
+    seen = []
+    monkeypatch.setattr(tilelang, "compile", lambda program, **kw: seen.append(kw.get("pass_configs")))
+
+    class Copy:
+        PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
+
+        @staticmethod
+        def build_bound(dqk, dv):
+            return (dqk, dv)
+
+    class Plain:
+        build_bound = Copy.build_bound
+
+    AB.build("bound", Copy, 576, 512, None)
+    AB.build("bound", Plain, 576, 512, None)
+    assert seen == [{"tl.disable_thread_storage_sync": True}, None]
