@@ -51,6 +51,22 @@ def test_replay_lines_name_the_backend_as_given_and_run_as_printed(broken, capsy
     assert capsys.readouterr().out == out
 
 
+def test_a_repro_line_finds_a_backend_in_the_working_directory(tmp_path, monkeypatch, capsys):
+    """Run as the console script (no working directory on sys.path, nothing on PYTHONPATH), the printed repro line
+    still finds a ``module:attr`` backend in the directory it was printed in, as ``python -m`` and pytest would."""
+    import os
+    import sys
+
+    (tmp_path / "localkernels.py").write_text(BROKEN)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "localkernels", raising=False)
+    assert cli.main(["--backend", "localkernels:Broken", "--check", "tolerance", "--replay", "Case(H=3, seed=1)"]) == 1
+    assert "tolerance check failed for backend 'broken'" in capsys.readouterr().out
+    assert sys.path[-1] == str(tmp_path)
+
+
 @pytest.mark.parametrize("spec, why", [("no_such_module_xyz:B", "no module named 'no_such_module_xyz'"),
                                        ("sparse_mqa_testkit:NoSuchBackend", "has no attribute 'NoSuchBackend'"),
                                        ("nosuch", "unknown backend 'nosuch'; known: ")])

@@ -90,8 +90,18 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _working_directory_on_path() -> None:
+    """The working directory on ``sys.path`` (last, so it shadows nothing installed), as ``python -m`` has it: a
+    ``--backend module:attr`` living where a failure printed its repro line then resolves when that line runs as
+    the ``sparse-mqa-check`` console script, which would not look there."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.append(cwd)
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    _working_directory_on_path()
     extra = [a for a in args.pytest_args if a != "--"]
     if args.list_backends:
         return list_backends()
