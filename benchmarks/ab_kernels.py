@@ -10,7 +10,9 @@ The bound pass, the row scales and ``out`` / ``lse`` come from the tree's kernel
 Each build runs twice (its repeat is checked bitwise) and its outputs are compared with the first build's: dq and the
 int32 sums for the main kernel, Delta and the octave counts for the bound pass ("equal" is bitwise). Then rounds of
 calls alternate between builds (CUDA events, medians) and each build's median is printed against the first's. A copy
-that ablates part of a kernel (results wrong, timing only) shows what that part costs. A module's ``PASS_CONFIGS``
+that ablates part of a kernel (results wrong, timing only) shows what that part costs, if it costs only that part:
+ptxas deletes a wgmma whose accumulator nothing reads, so a copy that drops a product's consumer loses the product
+too (count ``HGMMA`` in each build's SASS first; BENCHMARKS.md, 2026-12-02 15:35 UTC). A module's ``PASS_CONFIGS``
 (a dict, where it has one) goes to ``tilelang.compile``, e.g. to switch off TileLang's automatic barriers.
 """
 
