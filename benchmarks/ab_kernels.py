@@ -13,7 +13,8 @@ calls alternate between builds (CUDA events, medians) and each build's median is
 that ablates part of a kernel (results wrong, timing only) shows what that part costs, if it costs only that part:
 ptxas deletes a wgmma whose accumulator nothing reads, so a copy that drops a product's consumer loses the product
 too (count ``HGMMA`` in each build's SASS first; BENCHMARKS.md, 2026-12-02 15:35 UTC). A module's ``PASS_CONFIGS``
-(a dict, where it has one) goes to ``tilelang.compile``, e.g. to switch off TileLang's automatic barriers.
+(a dict, where it has one) goes to ``tilelang.compile``, e.g. to switch off TileLang's automatic barriers; its
+``canonical_sums(acc)`` (where it has one) maps its integer output to the int32 sums before any comparison.
 """
 
 from __future__ import annotations
@@ -123,6 +124,13 @@ def _runner(kernel: str, x: dict):
     return fresh, call
 
 
+def canonical(mod, outs):
+    """A build's outputs with its integer output as int32 sums: through the module's ``canonical_sums``, where it has
+    one (a build that writes another encoding of the same sums, e.g. column pairs added as 64-bit words)."""
+    fix = getattr(mod, "canonical_sums", None)
+    return outs if fix is None else (outs[0], fix(outs[1]))
+
+
 def compare(ref, outs, names=("dq", "sums")) -> str:
     """``equal`` or what differs, output by output (bitwise)."""
     import torch
@@ -133,7 +141,9 @@ def compare(ref, outs, names=("dq", "sums")) -> str:
             continue
         total = a.shape[0] * a.shape[1]
         rows = (a != b).reshape(total, -1).any(-1).sum().item()
-        parts.append(f"{name}: {rows} of {total} rows differ")
+        diff = (a.double() - b.double()).abs().max().item()
+        parts.append(f"{name}: {rows} of {total} rows differ (by up to {diff:.3g}, max |first| "
+                     f"{a.double().abs().max().item():.3g})")
     return "; ".join(parts) or "equal"
 
 
@@ -177,6 +187,7 @@ def main(argv=None) -> int:
             a, b = fresh(), fresh()
             call(k, a)
             call(k, b)
+            a, b = canonical(mods[name], a), canonical(mods[name], b)
             repeat = compare(a, b, names)
             verdict = "reference" if ref is None else compare(ref, a, names)
             ref = a if ref is None else ref

@@ -35,7 +35,27 @@ def test_compare_names_what_differs_and_in_how_many_rows():
     b[0][0, 1, 2] = 1.0
     b[1][0, 5] = 7
     b[1][0, 6, 1] = -1
-    assert AB.compare(a, b) == "dq: 1 of 4 rows differ; sums: 2 of 8 rows differ"
+    assert AB.compare(a, b) == ("dq: 1 of 4 rows differ (by up to 1, max |first| 0); "
+                                "sums: 2 of 8 rows differ (by up to 7, max |first| 0)")
+
+
+def test_a_module_may_give_its_sums_another_encoding():
+    """``canonical_sums`` maps a copy's integer output to int32 sums before any comparison; a module without one
+    compares as written."""
+    sums = torch.tensor([[[-3, 5, 2, 9]]], dtype=torch.int32)
+    borrowed = sums.clone()
+    borrowed[..., 1] -= 1  # what 64-bit adds of the pair leave: the low word's borrow in the high one
+
+    class Pairs:
+        @staticmethod
+        def canonical_sums(acc):
+            out = acc.clone()
+            out[..., 1::2] += (acc[..., 0::2] < 0).to(acc.dtype)
+            return out
+
+    dq = torch.zeros(1, 1, 2)
+    assert AB.compare((dq, sums), AB.canonical(Pairs, (dq, borrowed))) == "equal"
+    assert AB.canonical(object(), (dq, borrowed))[1] is borrowed
 
 
 def test_compile_only_builds_each_file_for_the_presets_variant(capsys):
