@@ -25,9 +25,10 @@ without the memory clobber, a sender that forms row pointers every chunk, stagin
 split with two chunks in flight; and (19:49 UTC, at commit d0bce4a) ``sender3``, WG0 issuing the first block's copies
 while the other warpgroups load q and dO: slower.
 
-Today's kernel (``sparse_mqa_kernels.backward``, int64 with one F a call) runs beside it on the same inputs. dq is
-compared bit for bit with today's; a sending variant's dkv is compared with today's exact one, with per-row scales
-taken from it (its largest entry at 2**23, 8 bits below int32's 2**31 for partial sums; the prep pass that
+The single-role kernel (``sparse_mqa_kernels.backward``'s body for any head group, int64 sums with one F a call: the
+probe's first reference, and the 64-head path's until the row-scaled kernel replaced it) runs beside it on the same
+inputs. dq is compared with its dq bit for bit; a sending variant's dkv is compared with its exact one, with per-row
+scales taken from it (its largest entry at 2**23, 8 bits below int32's 2**31 for partial sums; the bound pass that
 would bound each row is not here).
 """
 import argparse
@@ -383,9 +384,9 @@ def time_ms(fn, iters: int) -> float:
 
 
 def today(name: str) -> SimpleNamespace:
-    """A bench preset's inputs (finite sink), today's forward, prep and kernel on them, and today's exact dkv in
-    float64 (its int64 accumulator over 2**F, before the bf16 rounding): what both probes run beside and check
-    against."""
+    """A bench preset's inputs (finite sink), today's forward and prep on them, the single-role kernel (one scale
+    2**F for the call, int64 sums) and its exact dkv in float64 (the accumulator over 2**F, before the bf16
+    rounding): what both probes run beside and check against."""
     from sparse_mqa_kernels import backward, bwd_plan, forward
     from sparse_mqa_kernels.bench.shapes import PRESETS, make_inputs
 
@@ -399,7 +400,7 @@ def today(name: str) -> SimpleNamespace:
     t.rows = torch.arange(S, dtype=torch.int32, device="cuda")
     t.delta, t.fx, _ = backward._prep(t.q, t.kv, t.out, t.go, t.lse, t.sink, t.idx, t.tl, t.sm, 512)
     t.lse2 = contract.lse_to_base2(t.lse, t.sink).contiguous()
-    t.kernel = backward.compiled(bwd_plan.make_plan(B, S, t.Skv, H, t.L, Dqk, 512).key())
+    t.kernel = backward.compiled(bwd_plan.make_plan(B, S, t.Skv, H, t.L, Dqk, 512).key(single_role=True))
     t.acc = torch.zeros(B, t.Skv, Dqk, dtype=torch.int64, device="cuda")
     t.dq = torch.empty_like(t.q)
     t.kernel(t.q, t.kv, t.go, t.idx, t.tl, t.lse2, t.delta, t.rows, t.fx, t.dq, t.acc, t.sm)
@@ -442,7 +443,7 @@ def main(argv=None):
         dq_ref, dq = t.dq.clone(), torch.empty_like(t.q)
         t_ref = time_ms(lambda: t.kernel(t.q, t.kv, t.go, t.idx, t.tl, t.lse2, t.delta, t.rows, t.fx, dq_ref, t.acc,
                                          t.sm), a.iters)
-        print(f"{name}: today's kernel {t_ref:.3f} ms", flush=True)
+        print(f"{name}: the single-role kernel {t_ref:.3f} ms", flush=True)
         keep = torch.zeros((B, Dqk), dtype=torch.float32, device="cuda")
         row_scale, divisor = reference_scales(t.exact)
         acc32 = torch.zeros((B, t.Skv, Dqk), dtype=torch.int32, device="cuda")
@@ -454,7 +455,8 @@ def main(argv=None):
             if v.split("/")[1] in ("bulk", "line", "batched", "ws"):
                 acc32.zero_()
                 call()
-                extra = f"; dkv against today's exact sum: {dkv_error(acc32.double() / divisor[..., None], t.exact)}"
+                err = dkv_error(acc32.double() / divisor[..., None], t.exact)
+                extra = f"; dkv against the single-role kernel's exact sum: {err}"
             print(f"  probe {v}: {ms:.3f} ms; dq bitwise equal {torch.equal(dq, dq_ref)}{extra}", flush=True)
             if a.sweep:
                 sweep(v, call, t, [int(n) for n in a.sweep.split(",")], int(v.split("/")[0]), a.iters)
