@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import functools
 import gzip
 import re
 import sys
@@ -32,6 +33,7 @@ EXECUTED = "Instructions Executed"
 WAVEFRONTS = ("L1 Wavefronts Shared", "L1 Wavefronts Shared Excessive")
 
 
+@functools.lru_cache(maxsize=2)  # the stall report and --smem read the same page: parsed once
 def _rows(path: str):
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", newline="") as f:
