@@ -27,8 +27,8 @@ while the other warpgroups load q and dO: slower.
 
 The single-role kernel (``sparse_mqa_kernels.backward``'s body for any head group, int64 sums with one F a call: the
 probe's first reference, and the 64-head path's until the row-scaled kernel replaced it) runs beside it on the same
-inputs. dq is compared with its dq bit for bit; a sending variant's dkv is compared with its exact one, with per-row
-scales taken from it (its largest entry at 2**23, 8 bits below int32's 2**31 for partial sums; the bound pass that
+inputs. dq is compared bit for bit with its dq; a sending variant's dkv is compared with its exact dkv, with per-row
+scales taken from that (its largest entry at 2**23, 8 bits below int32's 2**31 for partial sums; the bound pass that
 would bound each row is not here).
 """
 import argparse

@@ -32,11 +32,13 @@ def test_compare_names_what_differs_and_in_how_many_rows():
     a = (torch.zeros(1, 4, 3), torch.zeros(1, 8, 2, dtype=torch.int32))
     b = (a[0].clone(), a[1].clone())
     assert AB.compare(a, b) == "equal"
+    a[1][0, 2, 0] = -9
+    b = (a[0].clone(), a[1].clone())
     b[0][0, 1, 2] = 1.0
     b[1][0, 5] = 7
     b[1][0, 6, 1] = -1
     assert AB.compare(a, b) == ("dq: 1 of 4 rows differ (by up to 1, max |first| 0); "
-                                "sums: 2 of 8 rows differ (by up to 7, max |first| 0)")
+                                "sums: 2 of 8 rows differ (by up to 7, max |first| 9)")
 
 
 def test_a_module_may_give_its_sums_another_encoding():
