@@ -47,23 +47,19 @@ __device__ __forceinline__ void smqa_mbar_arrive(void* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(b) : "memory");
 }
 // the sender warpgroup, one call a top-k block: this warp's N staged rows (row i at stage + i * W, its KV row in column
-// RC, negative for a slot no valid row backs) for each of the block's NCH chunks of C columns. Row pointers are formed
-// once a block, so a chunk costs its loads and reds (two 128-byte lines a row): all N rows' values are loaded first and
-// the stage freed before any red goes out (WG1 stages the next chunk while they do). k0 is the block's first chunk
-// number (mbarrier parities).
+// RC, negative for a slot no valid row backs) for each of the block's NCH chunks of C columns. A chunk costs its loads
+// and reds (two 128-byte lines a row): all N rows' values are loaded and the stage freed before any red goes out (WG1
+// stages the next chunk while they do). The row pointers are formed after chunk 0 is freed, off WG1's path: column RC
+// is written with chunk 0 only, so it holds until the next block's, which waits for this block's last read. A row no
+// valid slot backs points below acc (the test reads as r >= 0 either way) and is never sent. k0 is the block's first
+// chunk number (mbarrier parities).
 template <int N, int W, int D, int RC, int NCH, int C>
 __device__ __forceinline__ void smqa_send_block(const int* stage, int* acc, int lane, void* staged, void* read,
                                                 int k0) {
   int* p[N];
-  smqa_mbar_wait(staged, k0 & 1);
-  #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    int r = stage[i * W + RC];
-    p[i] = r >= 0 ? acc + static_cast<long long>(r) * D + lane : nullptr;
-  }
   #pragma unroll
   for (int c = 0; c < NCH; ++c) {
-    if (c > 0) smqa_mbar_wait(staged, (k0 + c) & 1);
+    smqa_mbar_wait(staged, (k0 + c) & 1);
     int v0[N], v1[N];
     #pragma unroll
     for (int i = 0; i < N; ++i) {
@@ -71,12 +67,18 @@ __device__ __forceinline__ void smqa_send_block(const int* stage, int* acc, int 
       v1[i] = stage[i * W + 32 + lane];
     }
     smqa_mbar_arrive(read);
+    if (c == 0) {
+      #pragma unroll
+      for (int i = 0; i < N; ++i) {
+        int r = stage[i * W + RC];
+        p[i] = acc + static_cast<long long>(r) * D + lane;  // below acc for a row no valid slot backs
+      }
+    }
     #pragma unroll
     for (int i = 0; i < N; ++i) {
-      int* q = p[i];
-      if (q != nullptr) {
-        asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(q + c * C), "r"(v0[i]));
-        asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(q + c * C + 32), "r"(v1[i]));
+      if (p[i] >= acc) {
+        asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(p[i] + c * C), "r"(v0[i]));
+        asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(p[i] + c * C + 32), "r"(v1[i]));
       }
     }
   }

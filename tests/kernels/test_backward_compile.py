@@ -64,7 +64,7 @@ def test_only_valid_rows_are_sent(source):
         name = re.sub(r"^\(\(bool\)(\w+)\)$", r"\1", guard)  # a flag set just before: read its rule
         rule = re.findall(rf"\b{name} = (.*);", body)[-1] if re.fullmatch(r"\w+", name) else guard
         assert all(t in rule for t in ("< n_valid", f"0 <= {idx}", f"{idx} < seq_kv")), f"validity rule: {rule}"
-    assert "p[i] = r >= 0 ?" in source and "if (q != nullptr)" in source
+    assert "p[i] = acc + static_cast<long long>(r) * D + lane;" in source and "if (p[i] >= acc)" in source
 
 
 def _tma_query(body: str, dqk: int = 576, dv: int = 512, q_parts=None) -> int:
