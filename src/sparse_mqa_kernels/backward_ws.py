@@ -403,6 +403,8 @@ def build_program(key, trace: bool = False):
             else:
                 T.set_max_nreg(NREG[2], 0)
                 for kb in T.serial(n_blk):
+                    # every address here is in bounds for any kb: TileLang wraps a call in a bounds check when an
+                    # address_of index may leave its buffer, and a sender that skipped this call would hang WG1
                     T.call_extern("handle", f"smqa_send_block<{BI // 4}, {W}, {dqk}, {C}, {NCH}, {C}>",
                                   T.address_of(stage[0, (tx - 256) // 32 * (BI // 4), 0]),
                                   T.address_of(Acc[b_i, 0, 0]), tx % 32, T.address_of(bar_staged[0]),

@@ -67,6 +67,15 @@ def test_only_valid_rows_are_sent(source):
     assert "p[i] = acc + static_cast<long long>(r) * D + lane;" in source and "if (p[i] >= acc)" in source
 
 
+def test_sender_calls_every_block_unguarded(source):
+    """The sender's call is the whole body of its block loop: TileLang wraps a call in a bounds check when an
+    ``address_of`` index may leave its buffer (an index past ``topk`` at the last block did), and a sender that
+    skipped a block would leave WG1 waiting for its reads forever."""
+    body = _body(source)
+    loop = r"for \(int (kb_\d+) = 0; \1 < \(\(n_valid \+ \d+\) / \d+\); \+\+\1\) \{\s*smqa_send_block<.*?\);\s*\}"
+    assert re.search(loop, body, re.S), "the sender's block loop holds its call and nothing else"
+
+
 def _tma_query(body: str, dqk: int = 576, dv: int = 512, q_parts=None) -> int:
     """q and dO come by TMA on one mbarrier (one elected thread expects each tile's bytes and issues its copies, and
     arrives with dO's), never through registers or cp.async; returns where the wait for them is. ``q_parts``: the
