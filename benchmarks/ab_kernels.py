@@ -70,7 +70,6 @@ def _inputs(preset: str):
     from sparse_mqa_kernels import bwd_plan, bwd_rows, forward
     from sparse_mqa_kernels.bench.shapes import PRESETS, make_inputs
     from sparse_mqa_kernels.target import sm_count
-    from sparse_mqa_testkit import contract
 
     shape = PRESETS[preset]
     x = make_inputs(shape, "cuda", seed=0, sink=True)
@@ -80,17 +79,16 @@ def _inputs(preset: str):
     Skv = kv.shape[1]
     plan = bwd_plan.make_plan(B, S, Skv, H, shape.L, Dqk, shape.Dv)
     tl = torch.full((B, S), shape.L, dtype=torch.int32, device="cuda")
-    lse2 = contract.lse_to_base2(lse, x["attn_sink"]).contiguous()
     rows = torch.arange(S, dtype=torch.int32, device="cuda")
     split = plan.bound_split(S, sm_count(q.device))
     bound, scales, _ = bwd_rows.compiled(Dqk, shape.Dv)
-    delta = torch.empty((B, S, H), dtype=torch.float32, device="cuda")
+    delta, lse2, sink_delta = (torch.empty((B, S, H), dtype=torch.float32, device="cuda") for _ in range(3))
     hist = torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device="cuda")
-    bound(q, out, do, kv, idx, tl, lse2, rows, delta, hist, sm, *split)
+    bound(q, out, do, kv, idx, tl, lse, x["attn_sink"], rows, delta, lse2, sink_delta, hist, sm, 1, *split)
     scale, inv = (torch.empty((B, Skv), dtype=torch.float32, device="cuda") for _ in range(2))
     scales(hist, scale, inv)
-    return dict(q=q, kv=kv, do=do, idx=idx, out=out, tl=tl, lse2=lse2, rows=rows, delta=delta, scale=scale, sm=sm,
-                split=split)
+    return dict(q=q, kv=kv, do=do, idx=idx, out=out, tl=tl, lse=lse, sink=x["attn_sink"], lse2=lse2, rows=rows,
+                delta=delta, scale=scale, sm=sm, split=split)
 
 
 def _runner(kernel: str, x: dict):
@@ -113,14 +111,16 @@ def _runner(kernel: str, x: dict):
     else:
         from sparse_mqa_kernels import bwd_plan
 
-        def fresh():
+        def fresh():  # Delta, the octave counts, the kernel LSE, p_sink Delta
             return (torch.empty((B, S, H), dtype=torch.float32, device="cuda"),
-                    torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device="cuda"))
+                    torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device="cuda"),
+                    *(torch.empty((B, S, H), dtype=torch.float32, device="cuda") for _ in range(2)))
 
         def call(k, o, before=lambda: None):
             o[1].zero_()
             before()
-            k(q, x["out"], x["do"], x["kv"], x["idx"], x["tl"], x["lse2"], x["rows"], o[0], o[1], x["sm"], *x["split"])
+            k(q, x["out"], x["do"], x["kv"], x["idx"], x["tl"], x["lse"], x["sink"], x["rows"], o[0], o[2], o[3], o[1],
+              x["sm"], 1, *x["split"])
     return fresh, call
 
 
@@ -128,7 +128,7 @@ def canonical(mod, outs):
     """A build's outputs with its integer output as int32 sums: through the module's ``canonical_sums``, where it has
     one (a build that writes another encoding of the same sums, e.g. column pairs added as 64-bit words)."""
     fix = getattr(mod, "canonical_sums", None)
-    return outs if fix is None else (outs[0], fix(outs[1]))
+    return outs if fix is None else (outs[0], fix(outs[1]), *outs[2:])
 
 
 def compare(ref, outs, names=("dq", "sums")) -> str:
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
         kernels[preset] = by_key[key]
     if args.compile_only:
         return 0
-    names = ("dq", "sums") if args.kernel == "main" else ("Delta", "counts")
+    names = ("dq", "sums") if args.kernel == "main" else ("Delta", "counts", "kernel LSE", "p_sink Delta")
     for preset in presets:
         x = _inputs(preset)
         fresh, call = _runner(args.kernel, x)

@@ -99,7 +99,6 @@ def main(argv) -> int:
     from sparse_mqa_kernels.bench.cli import _load
     from sparse_mqa_kernels.bench.shapes import PRESETS, make_inputs
     from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET, sm_count
-    from sparse_mqa_testkit import contract
     from sparse_mqa_testkit.calls import Call
 
     for preset in argv or ["anchor", "l512"]:
@@ -116,13 +115,16 @@ def main(argv) -> int:
         traced = tilelang.compile(backward_ws.build_program(key, trace=True), out_idx=None, target=TARGET,
                                   execution_backend=EXECUTION_BACKEND)
         tl = torch.full((B, S), idx.shape[-1], dtype=torch.int32, device="cuda")
-        lse2 = contract.lse_to_base2(lse, x["attn_sink"]).contiguous()
         rows = torch.arange(S, dtype=torch.int32, device="cuda")
         bound, scales, _ = bwd_rows.compiled(Dqk, Dv)
-        delta = torch.empty((B, S, H), dtype=torch.float32, device="cuda")
+        delta, lse2, sink_delta = (torch.empty((B, S, H), dtype=torch.float32, device="cuda") for _ in range(3))
         hist = torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device="cuda")
         split = bwd_plan.make_plan(B, S, Skv, H, idx.shape[-1], Dqk, Dv).bound_split(S, sm_count(0))
-        bound(q, out, do, kv, idx, tl, lse2, rows, delta, hist, sm_scale, *split)
+
+        def bound_args(d, l2, h):  # Delta, the kernel LSE and the octave counts go to d, l2 and h
+            return (q, out, do, kv, idx, tl, lse, x["attn_sink"], rows, d, l2, sink_delta, h, sm_scale, 1, *split)
+
+        bound(*bound_args(delta, lse2, hist))
         scale, inv = (torch.empty((B, Skv), dtype=torch.float32, device="cuda") for _ in range(2))
         scales(hist, scale, inv)
         acc = torch.zeros((B, Skv, Dqk), dtype=torch.int32, device="cuda")
@@ -147,18 +149,18 @@ def main(argv) -> int:
         # the bound pass's traced build writes its stamps over Delta: a scratch Delta and histogram
         traced_bound = tilelang.compile(bwd_rows.build_bound(Dqk, Dv, trace=True), out_idx=None, target=TARGET,
                                         execution_backend=EXECUTION_BACKEND)
-        scratch, hist2 = torch.empty_like(delta), torch.zeros_like(hist)
+        scratch, lse2b, hist2 = torch.empty_like(delta), torch.empty_like(lse2), torch.zeros_like(hist)
         ms = {}
         for name, kernel, d in (("backend's", bound, delta), ("traced", traced_bound, scratch)):
-            kernel(q, out, do, kv, idx, tl, lse2, rows, d, hist2, sm_scale, *split)
+            kernel(*bound_args(d, lse2b, hist2))
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(5):
-                kernel(q, out, do, kv, idx, tl, lse2, rows, d, hist2, sm_scale, *split)
+                kernel(*bound_args(d, lse2b, hist2))
             stop.record()
             torch.cuda.synchronize()
             ms[name] = start.elapsed_time(stop) / 5
-        traced_bound(q, out, do, kv, idx, tl, lse2, rows, scratch, hist2, sm_scale, *split)
+        traced_bound(*bound_args(scratch, lse2b, hist2))
         torch.cuda.synchronize()
         n = len(BOUND_ALL)
         bstamps = scratch[:, :, :2 * n].contiguous().view(torch.int64).reshape(-1, n).cpu().numpy()

@@ -25,9 +25,9 @@ Determinism by construction
     associative: the sums are exact whatever the order, and one final pass turns them into bf16. The bounds are
     order-free too: the 64-head path counts each slot's bound in its row's octave (integer adds) and sums the
     counts in a fixed order; the other path's come from fixed-order sums (``bwd_prep``) and torch reductions on
-    fixed shapes. Delta is a fixed-order sum; d_sink = -sum p_sink Delta is a torch reduction, summed per query
-    chunk, then over chunks in order. No floating-point atomic is issued anywhere (tests/test_backward_compile.py
-    reads the generated CUDA).
+    fixed shapes. Delta is a fixed-order sum; d_sink = -sum p_sink Delta is one torch reduction over the whole
+    call's [B, S, H] products, so its bits do not depend on the query chunks either. No floating-point atomic is
+    issued anywhere (tests/test_backward_compile.py reads the generated CUDA).
 
 How the single-role body's int64 sums reach memory
     Contributions are staged in shared memory as int64, a few KV rows per round, and each valid row goes out as
@@ -341,14 +341,9 @@ def sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
     with torch.cuda.device(dev):
         tl = (torch.full((dims.B, dims.S), dims.L, dtype=torch.int32, device=dev) if topk_length is None
               else kernel_ready(topk_length))
-        lse2 = contract.lse_to_base2(lse, attn_sink).contiguous()
-        args = (q, kv, out, grad_out, lse, attn_sink, indices, tl, lse2, sm_scale)
-        dq, dkv, delta = _row_scaled(plan, *args) if row_scaled else _one_scale(plan, config, *args)
-        d_sink = None
-        if attn_sink is not None:
-            ps = contract.sink_probability(lse, attn_sink)
-            d_sink = -torch.stack([(ps[:, c.start:c.stop] * delta[:, c.start:c.stop]).sum((0, 1))
-                                   for c in plan.chunks()]).sum(0)  # summed per launch, then in launch order
+        args = (q, kv, out, grad_out, lse, attn_sink, indices, tl, sm_scale)
+        dq, dkv, sink_delta = _row_scaled(plan, *args) if row_scaled else _one_scale(plan, config, *args)
+        d_sink = None if attn_sink is None else sink_delta.sum((0, 1)).neg_()
     return dq, dkv, d_sink
 
 
@@ -359,31 +354,39 @@ def _launch_rows(plan, dev):
         yield torch.arange(c.start, c.stop, dtype=torch.int32, device=dev)
 
 
-def _one_scale(plan, config, q, kv, out, grad_out, lse, attn_sink, indices, tl, lse2, sm_scale):
+def _one_scale(plan, config, q, kv, out, grad_out, lse, attn_sink, indices, tl, sm_scale):
     """The single-role body: Delta and the call's fixed point (``_prep``), the kernel per query chunk, int64 sums at
-    2**-F converted in place. Returns dq, dkv, Delta."""
+    2**-F converted in place. Returns dq, dkv and, with a sink, p_sink Delta [B, S, H]."""
     kernel = compiled(plan.key(config.single_role))
+    lse2 = contract.lse_to_base2(lse, attn_sink).contiguous()
     delta, fx, F = _prep(q, kv, out, grad_out, lse, attn_sink, indices, tl, sm_scale, plan.Dv)
     acc = torch.zeros((plan.B, plan.Skv, plan.Dqk), dtype=torch.int64, device=q.device)
     dq = torch.empty((plan.B, plan.S, plan.H, plan.Dqk), dtype=torch.bfloat16, device=q.device)
     for rows in _launch_rows(plan, q.device):
         kernel(q, kv, grad_out, indices, tl, lse2, delta, rows, fx, dq, acc, sm_scale)
-    return dq, dkv_from_fixed_point(acc, F), delta
+    sink_delta = None if attn_sink is None else contract.sink_probability(lse, attn_sink).mul_(delta)
+    return dq, dkv_from_fixed_point(acc, F), sink_delta
 
 
-def _row_scaled(plan, q, kv, out, grad_out, lse, attn_sink, indices, tl, lse2, sm_scale):
-    """The 64-head path (module docstring): the bound pass (Delta too) per query chunk, the row scales, the main
-    kernel per chunk, the conversion. Every kernel on the current stream, no host read of the data. Returns dq, dkv,
-    Delta."""
+def _row_scaled(plan, q, kv, out, grad_out, lse, attn_sink, indices, tl, sm_scale):
+    """The 64-head path (module docstring): the bound pass per query chunk (Delta, the kernel LSE and p_sink Delta
+    too), the row scales, the main kernel per chunk, the conversion. Every kernel on the current stream, no host read
+    of the data. Returns dq, dkv and, with a sink, p_sink Delta [B, S, H]."""
     bound, scales, convert = bwd_rows.compiled(plan.Dqk, plan.Dv)
     kernel = compiled(plan.key())
     B, S, Skv, H, Dqk = plan.B, plan.S, plan.Skv, plan.H, plan.Dqk
     dev = q.device
     delta = torch.empty((B, S, H), dtype=torch.float32, device=dev)
+    lse2 = torch.empty_like(delta)
+    has_sink = attn_sink is not None
+    # without a sink the pass ignores both by its flag: lse stands in for them (no allocation, nothing written)
+    sink = kernel_ready(attn_sink) if has_sink else lse.view(-1)
+    sink_delta = torch.empty_like(delta) if has_sink else lse
     hist = torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device=dev)
     n_sm = sm_count(dev)
     for rows in _launch_rows(plan, dev):
-        bound(q, out, grad_out, kv, indices, tl, lse2, rows, delta, hist, sm_scale, *plan.bound_split(len(rows), n_sm))
+        bound(q, out, grad_out, kv, indices, tl, lse, sink, rows, delta, lse2, sink_delta, hist, sm_scale,
+              int(has_sink), *plan.bound_split(len(rows), n_sm))
     scale = torch.empty((B, Skv), dtype=torch.float32, device=dev)
     inv = torch.empty_like(scale)
     scales(hist, scale, inv)
@@ -394,4 +397,4 @@ def _row_scaled(plan, q, kv, out, grad_out, lse, attn_sink, indices, tl, lse2, s
         kernel(q, kv, grad_out, indices, tl, lse2, delta, rows, scale, dq, acc, sm_scale)
     dkv = torch.empty((B, Skv, Dqk), dtype=torch.bfloat16, device=dev)
     convert(acc, inv, dkv)
-    return dq, dkv, delta
+    return dq, dkv, sink_delta if has_sink else None

@@ -14,10 +14,9 @@ top-k blocks
 query chunks
     Queries are launched ``query_chunk`` at a time: at most ``MAX_QUERY_CHUNK``, fewer when ``workspace_budget``,
     after the dkv sums [B, Skv, Dqk] (``accumulator_bytes``: needed once whatever the chunking, counted first), leaves
-    room for fewer at ``staging_bytes_per_query`` plus one d_sink partial each. What a chunk holds of its own is
-    its row ids and, with a sink, its d_sink partial ([B, chunk, H] fp32 product and its reduction); Delta, the
-    kernel LSE and the sink probabilities are whole-call fp32 [B, S, H] tensors whatever the chunking (see
-    ``BwdPlan.workspace_bytes`` for everything a call holds beside its outputs).
+    room for fewer at ``staging_bytes_per_query`` plus 4 bytes a head each. What a chunk holds of its own is its
+    row ids; Delta, the kernel LSE and, with a sink, p_sink Delta (d_sink's terms) are whole-call fp32 [B, S, H]
+    tensors whatever the chunking (see ``BwdPlan.workspace_bytes`` for everything a call holds beside its outputs).
 fixed point
     Every dkv contribution is rounded to an integer multiple of a power of two and the integers are summed, so the
     sum is exact and independent of order.
@@ -213,8 +212,8 @@ class BwdPlan:
 
         - 4 per dkv element: the int32 sums; per KV row, 4 per octave count (freed before the sums exist, counted
           beside them) and 8 for its scale and inverse;
-        - per (query, head), fp32: Delta and the kernel LSE for the whole call, the kernel LSE's temporaries (2x),
-          and with a sink its probabilities and d_sink's product (2x): 4 rows, 6 with a sink;
+        - per (query, head), fp32: Delta and the kernel LSE for the whole call, and with a sink p_sink Delta, all
+          three written by the bound pass: 2 rows, 3 with a sink;
         - 4 per query: topk_length's stand-in when none is given, and 4 per query of a chunk for its row ids;
         - 64 KiB: the 0-d scalars and the reductions' staging.
 
@@ -226,7 +225,7 @@ class BwdPlan:
           for the rows some valid slot names (``contract.referenced_rows``: the slot mask and an int64 copy of
           the indices);
         - per (query, head), fp32: Delta and the kernel LSE for the whole call, and with a sink its probabilities,
-          a chunk's d_sink product and that reduction's scratch (2x): 6 rows; without a sink, the slot mass's
+          p_sink Delta (in place) and d_sink's reduction's scratch (2x): 6 rows; without a sink, the slot mass's
           temporaries: 5;
         - 4 per query: topk_length's stand-in when none is given, and 4 per query of a chunk for its row ids;
         - 64 KiB: the 0-d scalars of the fixed point and the reductions' staging.
@@ -235,7 +234,7 @@ class BwdPlan:
         tail = (0 if topk_given else 4 * self.B * self.S) + 4 * self.query_chunk + SCALAR_BYTES
         if self.row_scaled(single_role):
             return (self.accumulator_bytes(single_role) + 4 * kv_rows * (OCTAVES + 2)
-                    + 4 * rows * (6 if sink else 4) + tail)
+                    + 4 * rows * (3 if sink else 2) + tail)
         return self.accumulator_bytes() + 13 * kv_rows + 1 + 13 * slots + 4 * rows * (6 if sink else 5) + tail
 
 
@@ -258,7 +257,7 @@ def make_plan(B: int, S: int, Skv: int, H: int, L: int, Dqk: int, Dv: int, *,
     head_group = head_group_for(H)
     plan = BwdPlan(B=B, S=S, Skv=Skv, H=H, L=L, Dqk=Dqk, Dv=Dv, head_group=head_group,
                    topk_block=TOPK_BLOCKS[head_group], query_chunk=1)
-    per_q = staging_bytes_per_query(B, H) + 4 * H  # staging plus, at worst, one d_sink partial per query
+    per_q = staging_bytes_per_query(B, H) + 4 * H
     room = workspace_budget - plan.accumulator_bytes() - 8  # the sums do not depend on the chunk
     chunk = max(1, min(S, max_query_chunk, room // per_q)) if room > 0 else 1
     return replace(plan, query_chunk=chunk)

@@ -16,7 +16,8 @@ another tile order: the last bits may differ), and P and dS before the main kern
 the margin covers that, and ROW_HEADROOM's two bits the rest), and counts it in its KV row's octave: bucket b holds
 terms in (2**(b - 128), 2**(b - 127)] (``smqa_octave_add``, one integer add). Integer adds need no fixed point, so
 nothing global has to be known first, and the counts are the same whatever the order. Its prologue forms Delta_h =
-out_h . dO_h, max|q_h| and max|dO_h| (Delta written for the main kernel and d_sink: no pass before this one).
+out_h . dO_h, max|q_h| and max|dO_h|, and from the contract's lse and sink the kernel LSE (``LSE_PRELUDE``); it writes
+Delta and the kernel LSE for the main kernel, and with a sink p_sink Delta for d_sink: no pass before this one.
 ``sparse_mqa_bwd_scales`` sums a row's counts times their octaves' upper ends in float64, in bucket order: B_j, at
 most twice the bound the terms sum to. ``sparse_mqa_bwd_convert`` turns the int32 sums into bf16 with one rounding:
 float64 holds acc * 2**-F_j exactly, and cvt.rn.bf16.f64 rounds it once, as the NumPy oracle does.
@@ -25,6 +26,7 @@ float64 holds acc * 2**-F_j exactly, and cvt.rn.bf16.f64 rounds it once, as the 
 # No ``from __future__ import annotations``: TileLang evaluates the kernel's parameter annotations.
 
 import functools
+import struct
 
 from sparse_mqa_testkit import contract
 
@@ -90,6 +92,28 @@ __device__ __forceinline__ int smqa_tile_off(int p, void* a, void* b, void* c) {
   return static_cast<int>(static_cast<char*>(smqa_tile(p, a, b, c)) - static_cast<char*>(a));
 }
 """
+# the call's LSE conventions per (query, head), as ``contract.lse_to_base2`` and ``contract.sink_probability`` state
+# them in torch (logaddexp as torch's CUDA kernel forms it, LOG2E rounded to float32 as torch's multiply rounds it):
+# the kernel LSE (base 2, the sink folded in; +inf for an empty row) and the sink's probability
+LSE_PRELUDE = r"""
+__device__ __forceinline__ float smqa_logaddexp(float a, float b) {
+  if (isinf(a) && a == b) return a;
+  return fmaxf(a, b) + log1pf(expf(-fabsf(a - b)));
+}
+__device__ __forceinline__ float smqa_lse2(float lse, float sink, int has_sink) {
+  if (lse == -INFINITY) lse = INFINITY;
+  if (has_sink) {
+    float folded = smqa_logaddexp(lse, sink);
+    lse = (lse == INFINITY || sink == INFINITY) ? INFINITY : folded;
+  }
+  return lse * %s;
+}
+__device__ __forceinline__ float smqa_sink_prob(float lse, float sink) {
+  if (sink == INFINITY) return 1.0f;
+  if (isinf(lse)) return 0.0f;
+  return expf(sink - smqa_logaddexp(lse, sink));
+}
+""" % (float.hex(struct.unpack("f", struct.pack("f", contract.LOG2E))[0]) + "f")
 # cp.async of a KV row's N 16-byte pieces (chunks) of this thread, 128 bytes apart in global memory: one source
 # address and immediate offsets, where a 64-bit index a piece takes four instructions a copy; the destinations are the
 # shared addresses given, the first NV moved by ``off_v`` bytes and the rest by ``off_r`` (a tile chosen at run time,
@@ -209,6 +233,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
     OC = dv // 8 // 32  # 16-byte chunks of out a lane, per head
     rope = dqk - dv  # a KV row's (and q's) columns past V's: a buffer of their own in each tile
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
+    n_sink, sd_batch, sd_len, sd_heads = T.dynamic("n_sink, sd_batch, sd_len, sd_heads")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
     margin = 1.0 + bwd_plan.BOUND_MARGIN
@@ -304,11 +329,15 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
         KV: T.Tensor([batch, seq_kv, dqk], bf16),
         Indices: T.Tensor([batch, seq_len, topk], i32),
         TopkLen: T.Tensor([batch, seq_len], i32),
-        Lse2: T.Tensor([batch, seq_len, heads], f32),
+        Lse: T.Tensor([batch, seq_len, heads], f32),
+        Sink: T.Tensor([n_sink], f32),
         Rows: T.Tensor([n_rows], i32),
         Delta: T.Tensor([batch, seq_len, heads], f32),
+        Lse2: T.Tensor([batch, seq_len, heads], f32),
+        SinkDelta: T.Tensor([sd_batch, sd_len, sd_heads], f32),
         Hist: T.Tensor([batch, seq_kv, bwd_plan.OCTAVES], i32),
         sm_scale: f32,
+        has_sink: i32,
         whole: i32,
         pieces: i32,
         per_piece: i32,
@@ -317,7 +346,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
         # Rows[:whole] one block each; each later row in ``pieces`` blocks of ``per_piece`` top-k blocks (the last
         # wave's rows spread over the machine: bwd_plan.bound_split)
         with T.Kernel(whole + (n_rows - whole) * pieces, batch, groups, threads=THREADS,
-                      prelude=CP_ROW_PRELUDE + PRELUDE
+                      prelude=CP_ROW_PRELUDE + PRELUDE + LSE_PRELUDE
                       + (backward_ws.TRACE_PRELUDE + TRACE_CLOCK if trace else "")) as (bx, by, bz):
             Qv = T.alloc_shared([HG, dv], bf16)
             dO_shared = T.alloc_shared([HG, dv], bf16)
@@ -338,6 +367,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             red_s = T.alloc_shared([4 * BI], f32)  # WG1's four warps' sums over their heads, for WG0 to count
             rows_s = T.alloc_shared([ROW_LISTS, BI], i32)
             delta_s = T.alloc_shared([HG], f32)
+            lse2_s = T.alloc_shared([HG], f32)  # the kernel LSE, +inf on padded heads
             c_s = T.alloc_shared([HG], f32)
             g_s = T.alloc_shared([HG], f32)
             q_v = T.alloc_fragment([HG, dv], bf16)  # WG0's
@@ -389,6 +419,10 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             load_query(Q, dO, Qv, Qr, dO_shared, bar_q, b_i, s_i, h0)
             if tx < 256:
                 out_rows(O, ob, b_i, s_i, h0, heads, tx)
+            if tx < HG:
+                lse2_s[tx] = T.if_then_else(h0 + tx < heads, T.call_extern(
+                    "float32", "smqa_lse2", Lse[b_i, s_i, T.min(h0 + tx, heads - 1)],
+                    Sink[T.min(T.min(h0 + tx, heads - 1), n_sink - 1)], has_sink), T.infinity(f32))
             T.mbarrier_wait_parity(bar_q, 0)
             T.sync_threads()
             if trace:
@@ -398,18 +432,21 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             T.sync_threads()
             if trace:
                 stamp(stamps, "prep_done")
-            if T.And(T.And(tx < HG, h0 + tx < heads), kb0 == 0):  # a row's first piece writes its Delta
+            if T.And(T.And(tx < HG, h0 + tx < heads), kb0 == 0):  # a row's first piece writes its per-head values
                 Delta[b_i, s_i, h0 + tx] = delta_s[tx]
+                Lse2[b_i, s_i, h0 + tx] = lse2_s[tx]
+                if has_sink:
+                    SinkDelta[b_i, s_i, h0 + tx] = T.call_extern(
+                        "float32", "smqa_sink_prob", Lse[b_i, s_i, h0 + tx], Sink[T.min(h0 + tx, n_sink - 1)]
+                    ) * delta_s[tx]
             if tx < 128:
                 T.set_max_nreg(NREG[0], 1)
                 T.copy(Qv, q_v)
                 if rope:
                     T.copy(Qr, q_r)
                 T.barrier_arrive(bar_regs)  # then tiles 1 and 2 (over q and dO) may be written
-                # padded heads: lse +inf, so P = 0 there
                 for h in T.Parallel(HG):
-                    lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, T.min(h0 + h, heads - 1)],
-                                              T.infinity(f32))
+                    lse_f[h] = lse2_s[h]  # +inf on padded heads, so P = 0 there
                 if trace:
                     stamp(stamps, "loop_start")
                     c0[0] = T.call_extern("int32", "smqa_clk")

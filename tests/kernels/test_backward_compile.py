@@ -248,10 +248,11 @@ def test_bound_trace_build_times_each_phase():
 def test_row_scale_kernels_compile_without_float_atomics(dims):
     """``bwd_rows``: the bound pass runs S (WG0) and dP (WG1) as [64 heads x 64 slots] wgmma with q and dO in
     registers (only register-A products: for each of the three KV tiles, S over V's columns and over the rest, dP
-    over V's), copies q (in two buffers) and dO by TMA and waits for them before its prologue forms and writes Delta,
-    and counts each slot's bound with one integer add (``smqa_octave_add``: red.add.u32), into its row's octave counts
-    only, after a fixed-order sum over heads (``smqa_col_sums``); shared memory fits an sm_90 block (two tiles over q
-    and dO, each tile's hand-over over its V buffer).
+    over V's), copies q (in two buffers) and dO by TMA and waits for them before its prologue forms and writes Delta
+    (and with it the kernel LSE it formed from lse and the sink, and p_sink Delta where there is a sink), and counts
+    each slot's bound with one integer add (``smqa_octave_add``: red.add.u32), into its row's octave counts only,
+    after a fixed-order sum over heads (``smqa_col_sums``); shared memory fits an sm_90 block (two tiles over q and
+    dO, each tile's hand-over over its V buffer).
     The row scales use no atomic; the conversion rounds float64 to bf16 once (cvt.rn.bf16.f64)."""
     from sparse_mqa_kernels import bwd_rows
     from sparse_mqa_kernels.target import SMEM_LIMIT
@@ -268,7 +269,7 @@ def test_row_scale_kernels_compile_without_float_atomics(dims):
         ([(dv // 16, "64", "64", "q_v")] + [(rope // 16, "64", "64", "q_r")] * (rope > 0)
          + [(dv // 16, "64", "64", "do_f")]) * bwd_rows.TILES)
     assert set(re.findall(r"(smqa_\w+)\(", body)) == {"smqa_octave_add", "smqa_col_sums", "smqa_tile", "smqa_tile_off",
-                                                       "smqa_ex_put", "smqa_ex_mul"}
+                                                       "smqa_ex_put", "smqa_ex_mul", "smqa_lse2", "smqa_sink_prob"}
     # the hand-over: WG0 puts P, WG1 multiplies its factor by it, in the block's tile (a select of the three)
     tiles = r"smqa_tile\(\(\w+ % 3\), \(&\(\(\(bfloat16_t\*\)Va\)\[0\]\)\), \(&\(\(\(bfloat16_t\*\)Vb\)\[0\]\)\), " \
             r"\(&\(\(\(bfloat16_t\*\)Vc\)\[0\]\)\)\)"
@@ -281,6 +282,9 @@ def test_row_scale_kernels_compile_without_float_atomics(dims):
     assert wait < body.index("Delta[") < body.index("wgmma_rs")  # q and dO before Delta, both before the products
     # a row split over blocks (bwd_plan.bound_split): its first piece (top-k block 0) alone writes Delta
     assert re.search(r"&& \((condval_\d+) == 0\)\) \{\s*if \(\(s_i < seq_len\) && \(0 <= s_i\)\) \{\s*Delta\[", body)
+    first = body[body.index("Delta["):body.index("warpgroup_reg_alloc", wait)]
+    assert re.search(r"Lse2\[.*\] = \(\(float\*\)lse2_s\)\[", first)
+    assert re.search(r"if \(has_sink\) \{.*SinkDelta\[.*\] = \(smqa_sink_prob\(", first, re.S)
     assert "int per_piece, int pieces" in body and "int whole" in body
     assert "tl::warp_reduce_sum" in body
     # WG0 and WG1 meet only at mbarriers: no named barrier in their loops (the producer's share of the prologue has)
@@ -298,7 +302,8 @@ def test_row_scale_kernels_compile_without_float_atomics(dims):
     shared = r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);"
     offsets = {m[0]: int(m[1]) for m in re.findall(shared, body)}
     sizes = {**{"V" + t: 64 * dv * 2 for t in "abc"}, **{"R" + t: 64 * rope * 2 for t in "abc" if rope},
-             "red_s": 4 * 64 * 4, "rows_s": bwd_rows.ROW_LISTS * 64 * 4, "delta_s": 256, "c_s": 256, "g_s": 256}
+             "red_s": 4 * 64 * 4, "rows_s": bwd_rows.ROW_LISTS * 64 * 4, "delta_s": 256, "c_s": 256, "g_s": 256,
+             "lse2_s": 256}
     assert set(offsets) == set(sizes) and max(offsets[b] + sizes[b] for b in sizes) <= SMEM_LIMIT
     for src in (scales, convert):
         assert "atomic" not in src.lower() and "red." not in src
