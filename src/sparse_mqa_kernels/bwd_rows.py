@@ -290,36 +290,42 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                     ob[(i * OC + c) * 8 + v] = O[b_i, s_i, T.min(h0 + i * 8 + w, heads - 1), (c * 32 + lane) * 8 + v]
 
     @T.macro
-    def max_abs(st, buf, cols, h, lane):
-        # st[2] = max(st[2], |buf[h, :cols]|), this lane's 16-byte chunks
+    def max_abs(st, buf, cols, w, lane):
+        # st[3 i + 2] = max(st[3 i + 2], |buf[8 i + w, :cols]|) for the warp's heads, this lane's 16-byte chunks
         for c in T.unroll(T.ceildiv(cols // 8, 32)):
             if c * 32 + lane < cols // 8:
                 for v in T.unroll(8):
-                    st[2] = T.max(st[2], T.abs(T.cast(buf[h, (c * 32 + lane) * 8 + v], f32)))
+                    for i in T.unroll(HG // 8):
+                        st[3 * i + 2] = T.max(st[3 * i + 2],
+                                              T.abs(T.cast(buf[i * 8 + w, (c * 32 + lane) * 8 + v], f32)))
 
     @T.macro
     def heads_prep(Qv, Qr, dO_shared, delta_s, c_s, g_s, ob, st, h0, heads, sm_abs, tx):
         # warp w takes heads w, w + 8, ...: Delta (its lanes' columns in order, then the butterfly), max|q|, max|dO|
-        # (st: Delta, max|dO|, max|q| of the head in hand)
+        # (st[3 i + k]: Delta, max|dO|, max|q| of head 8 i + w), all eight heads' chains in flight together
         w, lane = tx // 32, tx % 32
+        for k in T.unroll(3 * HG // 8):
+            st[k] = 0.0
+        for c in T.unroll(OC):
+            for v in T.unroll(8):
+                for i in T.unroll(HG // 8):
+                    st[3 * i] += T.cast(ob[(i * OC + c) * 8 + v], f32) * T.cast(
+                        dO_shared[i * 8 + w, (c * 32 + lane) * 8 + v], f32)
+                    st[3 * i + 1] = T.max(st[3 * i + 1],
+                                          T.abs(T.cast(dO_shared[i * 8 + w, (c * 32 + lane) * 8 + v], f32)))
+        max_abs(st, Qv, dv, w, lane)
+        if rope:
+            max_abs(st, Qr, rope, w, lane)
         for i in T.unroll(HG // 8):
-            h = i * 8 + w
-            for k in T.unroll(3):
-                st[k] = 0.0
-            for c in T.unroll(OC):
-                for v in T.unroll(8):
-                    st[0] += T.cast(ob[(i * OC + c) * 8 + v], f32) * T.cast(dO_shared[h, (c * 32 + lane) * 8 + v], f32)
-                    st[1] = T.max(st[1], T.abs(T.cast(dO_shared[h, (c * 32 + lane) * 8 + v], f32)))
-            max_abs(st, Qv, dv, h, lane)
-            if rope:
-                max_abs(st, Qr, rope, h, lane)
-            st[0] = T.warp_reduce_sum(st[0])
-            st[1] = T.warp_reduce_max(st[1])
-            st[2] = T.warp_reduce_max(st[2])
-            if lane == 0:
-                delta_s[h] = T.if_then_else(h0 + h < heads, st[0], 0.0)
-                c_s[h] = T.if_then_else(h0 + h < heads, sm_abs * st[2], 0.0)
-                g_s[h] = T.if_then_else(h0 + h < heads, st[1], 0.0)
+            st[3 * i] = T.warp_reduce_sum(st[3 * i])
+            st[3 * i + 1] = T.warp_reduce_max(st[3 * i + 1])
+            st[3 * i + 2] = T.warp_reduce_max(st[3 * i + 2])
+        if lane == 0:
+            for i in T.unroll(HG // 8):
+                h = i * 8 + w
+                delta_s[h] = T.if_then_else(h0 + h < heads, st[3 * i], 0.0)
+                c_s[h] = T.if_then_else(h0 + h < heads, sm_abs * st[3 * i + 2], 0.0)
+                g_s[h] = T.if_then_else(h0 + h < heads, st[3 * i + 1], 0.0)
 
     @T.prim_func
     def sparse_mqa_bwd_bound(
@@ -382,7 +388,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             off = T.alloc_local([2], i32)  # the producer's: its tile's bytes past tile 0's, V's and the rest's
             jr = T.alloc_local([PASSES], i32)
             ob = T.alloc_local([HG // 8 * dv // 32], bf16)  # this thread's out columns of its warp's 8 heads
-            st = T.alloc_local([3], f32)
+            st = T.alloc_local([3 * HG // 8], f32)
             bar_q = T.alloc_barrier(arrive_count=1)  # q and dO landed (TMA)
             # the producer's copies into a tile have landed: 128 cp.async arrivals and 128 plain ones
             bar_full = T.alloc_barrier(arrive_count=[256] * TILES)
