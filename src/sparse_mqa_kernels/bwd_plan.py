@@ -105,8 +105,8 @@ class VariantKey:
 class BackwardConfig:
     """What a caller may choose beyond the contract's arguments.
 
-    max_query_chunk: queries per launch (the workspace budget caps it too; the same dq and dkv bits whatever the
-    chunks); single_role: run 64-head groups on the single-role body as well (its int64 fixed point, one scale a
+    max_query_chunk: queries per launch (the workspace budget caps it too; the same dq, dkv and d_sink bits whatever
+    the chunks); single_role: run 64-head groups on the single-role body as well (its int64 fixed point, one scale a
     call: dkv agrees with the default to rounding), to compare the two bodies.
     """
 
