@@ -57,7 +57,10 @@ def build(kernel: str, mod, dqk: int, dv: int, key):
 
     from sparse_mqa_kernels.target import EXECUTION_BACKEND, TARGET
 
-    program = mod.build_program(key) if kernel == "main" else mod.build_bound(dqk, dv)
+    if kernel == "main":
+        program = mod.build_program(key)
+    else:  # the bound pass that stores P and dS where the shape's plan does
+        program = mod.build_bound(dqk, dv, stored=key is not None and key.stored_pds)
     return tilelang.compile(program, out_idx=None, target=TARGET, pass_configs=getattr(mod, "PASS_CONFIGS", None),
                             execution_backend=EXECUTION_BACKEND)
 
@@ -81,14 +84,17 @@ def _inputs(preset: str):
     tl = torch.full((B, S), shape.L, dtype=torch.int32, device="cuda")
     rows = torch.arange(S, dtype=torch.int32, device="cuda")
     split = plan.bound_split(S, sm_count(q.device))
-    bound, scales, _ = bwd_rows.compiled(Dqk, shape.Dv)
+    bound, scales, _ = bwd_rows.compiled(Dqk, shape.Dv, plan.stored_pds)
     delta, lse2, sink_delta = (torch.empty((B, S, H), dtype=torch.float32, device="cuda") for _ in range(3))
     hist = torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device="cuda")
-    bound(q, out, do, kv, idx, tl, lse, x["attn_sink"], rows, delta, lse2, sink_delta, hist, sm, 1, *split)
+    pds_len = plan.pds_len if plan.stored_pds else 0
+    pds = torch.empty(plan.pds_bytes() // 2, dtype=torch.bfloat16, device="cuda") if pds_len else q.view(-1)
+    bound(q, out, do, kv, idx, tl, lse, x["attn_sink"], rows, delta, lse2, sink_delta, hist, pds, sm, 1, pds_len,
+          *split)
     scale, inv = (torch.empty((B, Skv), dtype=torch.float32, device="cuda") for _ in range(2))
     scales(hist, scale, inv)
     return dict(q=q, kv=kv, do=do, idx=idx, out=out, tl=tl, lse=lse, sink=x["attn_sink"], lse2=lse2, rows=rows,
-                delta=delta, scale=scale, sm=sm, split=split)
+                delta=delta, scale=scale, sm=sm, split=split, pds=pds, pds_len=pds_len)
 
 
 def _runner(kernel: str, x: dict):
@@ -107,20 +113,23 @@ def _runner(kernel: str, x: dict):
         def call(k, o, before=lambda: None):
             o[1].zero_()
             before()
-            k(q, x["kv"], x["do"], x["idx"], x["tl"], x["lse2"], x["delta"], x["rows"], x["scale"], o[0], o[1], x["sm"])
+            k(q, x["kv"], x["do"], x["idx"], x["tl"], x["lse2"], x["delta"], x["rows"], x["scale"], o[0], o[1],
+              x["pds"], x["sm"], x["pds_len"])
     else:
         from sparse_mqa_kernels import bwd_plan
 
-        def fresh():  # Delta, the octave counts, the kernel LSE, p_sink Delta
+        def fresh():  # Delta, the octave counts, the kernel LSE, p_sink Delta, and stored P and dS (zeroed: a
+            # build writes only the slots its blocks cover)
             return (torch.empty((B, S, H), dtype=torch.float32, device="cuda"),
                     torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device="cuda"),
-                    *(torch.empty((B, S, H), dtype=torch.float32, device="cuda") for _ in range(2)))
+                    *(torch.empty((B, S, H), dtype=torch.float32, device="cuda") for _ in range(2)),
+                    *((torch.zeros_like(x["pds"]),) if x["pds_len"] else ()))
 
         def call(k, o, before=lambda: None):
             o[1].zero_()
             before()
             k(q, x["out"], x["do"], x["kv"], x["idx"], x["tl"], x["lse"], x["sink"], x["rows"], o[0], o[2], o[3], o[1],
-              x["sm"], 1, *x["split"])
+              o[4] if x["pds_len"] else q.view(-1), x["sm"], 1, x["pds_len"], *x["split"])
     return fresh, call
 
 
@@ -139,7 +148,7 @@ def compare(ref, outs, names=("dq", "sums")) -> str:
     for name, a, b in zip(names, ref, outs):
         if torch.equal(a, b):
             continue
-        total = a.shape[0] * a.shape[1]
+        total = a.shape[0] * a.shape[1] if a.dim() > 1 else a.numel()  # rows (elements of a flat output)
         rows = (a != b).reshape(total, -1).any(-1).sum().item()
         a64 = a.double()  # (dq at the anchor: 151 M elements; made once)
         diff = (a64 - b.double()).abs().max().item()
@@ -179,7 +188,7 @@ def main(argv=None) -> int:
         kernels[preset] = by_key[key]
     if args.compile_only:
         return 0
-    names = ("dq", "sums") if args.kernel == "main" else ("Delta", "counts", "kernel LSE", "p_sink Delta")
+    names = ("dq", "sums") if args.kernel == "main" else ("Delta", "counts", "kernel LSE", "p_sink Delta", "P and dS")
     for preset in presets:
         x = _inputs(preset)
         fresh, call = _runner(args.kernel, x)

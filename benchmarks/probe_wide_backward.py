@@ -367,8 +367,8 @@ def compiled(variant: str, dims=(576, 512)):
                              "slots a block")
         k = backward.compiled(bwd_plan.VariantKey(*dims, 64, int(bi)))
 
-        def ws(q, kv, go, idx, tl, lse2, delta, rows, dq, keep, scale, acc, sm):
-            k(q, kv, go, idx, tl, lse2, delta, rows, scale, dq, acc, sm)
+        def ws(q, kv, go, idx, tl, lse2, delta, rows, dq, keep, scale, acc, sm):  # forms P and dS itself
+            k(q, kv, go, idx, tl, lse2, delta, rows, scale, dq, acc, q.view(-1), sm, 0)
 
         ws.get_kernel_source = k.get_kernel_source
         return ws

@@ -116,20 +116,24 @@ def main(argv) -> int:
                                   execution_backend=EXECUTION_BACKEND)
         tl = torch.full((B, S), idx.shape[-1], dtype=torch.int32, device="cuda")
         rows = torch.arange(S, dtype=torch.int32, device="cuda")
-        bound, scales, _ = bwd_rows.compiled(Dqk, Dv)
+        plan = bwd_plan.make_plan(B, S, Skv, H, idx.shape[-1], Dqk, Dv)
+        bound, scales, _ = bwd_rows.compiled(Dqk, Dv, plan.stored_pds)
+        pds_len = plan.pds_len if plan.stored_pds else 0
+        pds = torch.empty(plan.pds_bytes() // 2, dtype=torch.bfloat16, device="cuda") if pds_len else q.view(-1)
         delta, lse2, sink_delta = (torch.empty((B, S, H), dtype=torch.float32, device="cuda") for _ in range(3))
         hist = torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device="cuda")
-        split = bwd_plan.make_plan(B, S, Skv, H, idx.shape[-1], Dqk, Dv).bound_split(S, sm_count(0))
+        split = plan.bound_split(S, sm_count(0))
 
         def bound_args(d, l2, h):  # Delta, the kernel LSE and the octave counts go to d, l2 and h
-            return (q, out, do, kv, idx, tl, lse, x["attn_sink"], rows, d, l2, sink_delta, h, sm_scale, 1, *split)
+            return (q, out, do, kv, idx, tl, lse, x["attn_sink"], rows, d, l2, sink_delta, h, pds, sm_scale, 1, pds_len,
+                    *split)
 
         bound(*bound_args(delta, lse2, hist))
         scale, inv = (torch.empty((B, Skv), dtype=torch.float32, device="cuda") for _ in range(2))
         scales(hist, scale, inv)
         acc = torch.zeros((B, Skv, Dqk), dtype=torch.int32, device="cuda")
         dq = torch.empty((B, S, H, Dqk), dtype=torch.bfloat16, device="cuda")
-        args = (q, kv, do, idx, tl, lse2, delta, rows, scale, dq, acc, sm_scale)
+        args = (q, kv, do, idx, tl, lse2, delta, rows, scale, dq, acc, pds, sm_scale, pds_len)
         ms = {}
         for name, kernel in (("backend's", backward.compiled(key)), ("traced", traced)):  # what the stamps cost
             kernel(*args)
@@ -147,7 +151,8 @@ def main(argv) -> int:
                       f"{torch.cuda.get_device_name()}; " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
                       summarise(stamps)), flush=True)
         # the bound pass's traced build writes its stamps over Delta: a scratch Delta and histogram
-        traced_bound = tilelang.compile(bwd_rows.build_bound(Dqk, Dv, trace=True), out_idx=None, target=TARGET,
+        traced_bound = tilelang.compile(bwd_rows.build_bound(Dqk, Dv, trace=True, stored=plan.stored_pds), out_idx=None,
+                                        target=TARGET,
                                         execution_backend=EXECUTION_BACKEND)
         scratch, lse2b, hist2 = torch.empty_like(delta), torch.empty_like(lse2), torch.zeros_like(hist)
         ms = {}

@@ -83,7 +83,7 @@ class TileLangBackend(BackendBase):
             forward.compiled(fkey)
             backward.compiled(bkey)
             if bkey.warp_specialized:
-                bwd_rows.compiled(c.Dqk, c.Dv)
+                bwd_rows.compiled(c.Dqk, c.Dv, bkey.stored_pds)
             else:
                 bwd_prep.compiled(c.Dqk, c.Dv)
             out += [fkey.describe(), bkey.describe()]

@@ -13,7 +13,9 @@ Two paths, one algorithm
     64-head groups (H > 32, the production case): ``bwd_rows``' bound pass (Delta, and a bound per KV row), its
     row scales, then ``backward_ws``' warp-specialised main kernel (dq, and each dkv term rounded to int32 at its
     KV row's scale 2**F_j and added with integer reductions), then the conversion to bf16. Four bytes a term, and
-    each row keeps 29 bits below its own bound instead of a bound over the whole call.
+    each row keeps 29 bits below its own bound instead of a bound over the whole call. Where
+    ``BackwardConfig.pds_budget`` holds them (``BwdPlan.pds_bytes``), the bound pass also stores P and dS and the
+    main kernel reads them instead of forming S and dP again: the same bits, two products a block fewer.
     16- and 32-head groups: the single-role body below (every thread does every step in turn), int64 terms at
     one scale 2**F a call (``_prep``, ``bwd_prep``). ``BackwardConfig(single_role=True)`` runs it for 64-head
     groups too: the same products, a different fixed point, so dkv agrees to rounding, not to the bit.
@@ -279,8 +281,10 @@ def precompile() -> list[str]:
         out.append(key.describe())
     for dqk, dv in contract.PRODUCTION_DIMS:
         bwd_prep.compiled(dqk, dv)
-        bwd_rows.compiled(dqk, dv)
-        out += [bwd_prep.describe(dqk, dv), bwd_rows.describe(dqk, dv)]
+        out.append(bwd_prep.describe(dqk, dv))
+        for stored in (False, True):
+            bwd_rows.compiled(dqk, dv, stored)
+            out.append(bwd_rows.describe(dqk, dv, stored))
     return out
 
 
@@ -330,7 +334,8 @@ def sparse_mqa_backward(q, kv, out, grad_out, lse, attn_sink, indices, sm_scale,
                                supported_dims=contract.PRODUCTION_DIMS, device_type="cuda")
     sm_scale = float(sm_scale)
     plan = bwd_plan.make_plan(dims.B, dims.S, dims.Skv, dims.H, dims.L, dims.Dqk, dims.Dv,
-                              max_query_chunk=config.max_query_chunk)
+                              max_query_chunk=config.max_query_chunk, pds_budget=config.pds_budget,
+                              single_role=config.single_role)
     row_scaled = plan.row_scaled(config.single_role)
     if row_scaled and plan.row_terms() > bwd_plan.MAX_ROW_TERMS:
         raise ValueError(f"S * L * head groups = {dims.S} * {dims.L} * {plan.n_groups} = {plan.row_terms()} terms "
@@ -370,9 +375,10 @@ def _one_scale(plan, config, q, kv, out, grad_out, lse, attn_sink, indices, tl, 
 
 def _row_scaled(plan, q, kv, out, grad_out, lse, attn_sink, indices, tl, sm_scale):
     """The 64-head path (module docstring): the bound pass per query chunk (Delta, the kernel LSE and p_sink Delta
-    too), the row scales, the main kernel per chunk, the conversion. Every kernel on the current stream, no host read
-    of the data. Returns dq, dkv and, with a sink, p_sink Delta [B, S, H]."""
-    bound, scales, convert = bwd_rows.compiled(plan.Dqk, plan.Dv)
+    too, and with ``plan.stored_pds`` P and dS), the row scales, the main kernel per chunk, the conversion. Every
+    kernel on the current stream, no host read of the data. Returns dq, dkv and, with a sink, p_sink Delta
+    [B, S, H]."""
+    bound, scales, convert = bwd_rows.compiled(plan.Dqk, plan.Dv, plan.stored_pds)
     kernel = compiled(plan.key())
     B, S, Skv, H, Dqk = plan.B, plan.S, plan.Skv, plan.H, plan.Dqk
     dev = q.device
@@ -382,11 +388,15 @@ def _row_scaled(plan, q, kv, out, grad_out, lse, attn_sink, indices, tl, sm_scal
     # without a sink the pass ignores both by its flag: lse stands in for them (no allocation, nothing written)
     sink = kernel_ready(attn_sink) if has_sink else lse.view(-1)
     sink_delta = torch.empty_like(delta) if has_sink else lse
+    # P and dS, [2, B, S, H, pds_len] (bwd_plan: every slot a row's bound-pass blocks cover is written); without
+    # them both kernels get q as a stand-in they never read
+    pds_len = plan.pds_len if plan.stored_pds else 0
+    pds = torch.empty(plan.pds_bytes() // 2, dtype=torch.bfloat16, device=dev) if plan.stored_pds else q.view(-1)
     hist = torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device=dev)
     n_sm = sm_count(dev)
     for rows in _launch_rows(plan, dev):
-        bound(q, out, grad_out, kv, indices, tl, lse, sink, rows, delta, lse2, sink_delta, hist, sm_scale,
-              int(has_sink), *plan.bound_split(len(rows), n_sm))
+        bound(q, out, grad_out, kv, indices, tl, lse, sink, rows, delta, lse2, sink_delta, hist, pds, sm_scale,
+              int(has_sink), pds_len, *plan.bound_split(len(rows), n_sm))
     scale = torch.empty((B, Skv), dtype=torch.float32, device=dev)
     inv = torch.empty_like(scale)
     scales(hist, scale, inv)
@@ -394,7 +404,8 @@ def _row_scaled(plan, q, kv, out, grad_out, lse, attn_sink, indices, tl, sm_scal
     acc = torch.zeros((B, Skv, Dqk), dtype=torch.int32, device=dev)
     dq = torch.empty((B, S, H, Dqk), dtype=torch.bfloat16, device=dev)
     for rows in _launch_rows(plan, dev):
-        kernel(q, kv, grad_out, indices, tl, lse2, delta, rows, scale, dq, acc, sm_scale)
+        kernel(q, kv, grad_out, indices, tl, lse2, delta, rows, scale, dq, acc, pds, sm_scale, pds_len)
+    del pds
     dkv = torch.empty((B, Skv, Dqk), dtype=torch.bfloat16, device=dev)
     convert(acc, inv, dkv)
     return dq, dkv, sink_delta if has_sink else None

@@ -4,7 +4,9 @@ One thread block = one query row x 64 heads, 384 threads in three warpgroups, no
 shape, with a sender added):
 
 - WG0 gathers each block of ``topk_block`` valid KV rows (cp.async; an invalid slot's index is never an address),
-  runs S = Q K^T and dP = dO V^T, P (0 on invalid slots) and dS = P (dP - Delta) sm_scale, and dq[:, :N0];
+  runs S = Q K^T and dP = dO V^T, P (0 on invalid slots) and dS = P (dP - Delta) sm_scale, and dq[:, :N0]; in the
+  ``stored_pds`` variant it reads the block's P and dS from the bound pass instead (``bwd_rows``: the same values),
+  into registers while the block's rows fly, and its two products go;
 - WG1 runs dq[:, N0:] and dkv^T = Q^T dS + dO^T P in ``NCH`` chunks of ``C`` columns (wgmma with the columns as M),
   rounds each chunk to int32 at its KV row's scale (``bwd_rows``: 2**F_j, from the bound pass) and stages it (its
   dq product goes out with chunk 0's two, and KV is freed once that one is done; a chunk's two products share one
@@ -23,6 +25,7 @@ warpgroups with setmaxnreg (``NREG``).
 
 from sparse_mqa_testkit import contract
 
+from .bwd_plan import BOUND_BLOCK
 from .target import SMEM_LIMIT
 
 THREADS = 384
@@ -41,6 +44,12 @@ __device__ __forceinline__ void smqa_mbar_wait(void* bar, int parity) {
   asm volatile("{\n\t.reg .pred P1;\n\tLAB_WAIT:\n\t"
                "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n\t@P1 bra DONE;\n\tbra LAB_WAIT;\n\tDONE:\n\t}"
                :: "r"(b), "r"(parity) : "memory");
+}
+// 16 bytes of stored P or dS (bf16 at base + off) into dst, or zeros where ok is false
+__device__ __forceinline__ void smqa_ld16(void* dst, const void* base, long long off, bool ok) {
+  int4 v = make_int4(0, 0, 0, 0);
+  if (ok) v = *reinterpret_cast<const int4*>(static_cast<const unsigned short*>(base) + off);
+  *reinterpret_cast<int4*>(dst) = v;
 }
 __device__ __forceinline__ void smqa_mbar_arrive(void* bar) {
   unsigned int b = static_cast<unsigned int>(__cvta_generic_to_shared(bar));
@@ -179,9 +188,12 @@ def build_program(key, trace: bool = False):
     assert smem <= SMEM_LIMIT, f"{smem} bytes of shared memory, over the {SMEM_LIMIT} an sm_90 block may use"
     load_query = query_tiles(T, HG)
     trace_alloc, stamp, stamp_end, put = tracing(T, TRACE_SLOTS)
-    batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
+    batch, seq_len, seq_kv, heads, topk, n_rows, n_pds = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows, n_pds")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
+    stored = key.stored_pds
+    PIECES = HG * BI // 8 // 128  # stored: 16-byte pieces of P (and of dS) a WG0 thread loads a block
+    assert not stored or (HG * BI // 8 % 128 == 0 and BI % 8 == 0)
 
     @T.macro
     def next_rows(rows, Indices, b_i, s_i, kb, n_valid, p):
@@ -243,7 +255,9 @@ def build_program(key, trace: bool = False):
         RowScale: T.Tensor([batch, seq_kv], f32),
         dQ: T.Tensor([batch, seq_len, heads, dqk], bf16),
         Acc: T.Tensor([batch, seq_kv, dqk], i32),
+        Pds: T.Tensor([n_pds], bf16),
         sm_scale: f32,
+        pds_len: i32,
     ):
         groups = T.ceildiv(heads, HG)
         with T.Kernel(n_rows, batch, groups, threads=THREADS, prelude=PRELUDE + (TRACE_PRELUDE if trace else "")) \
@@ -254,8 +268,12 @@ def build_program(key, trace: bool = False):
             idx_shared = T.alloc_shared([BI], i32)
             P_shared = T.alloc_shared([HG, BI], bf16)
             dS_shared = T.alloc_shared([HG, BI], bf16)
-            acc_s = T.alloc_fragment([HG, BI], f32)
-            acc_dp = T.alloc_fragment([HG, BI], f32)
+            if stored:
+                pr = T.alloc_local([PIECES * 8], bf16)  # WG0: this thread's pieces of the block's P
+                dr = T.alloc_local([PIECES * 8], bf16)  # ... and of dS
+            else:
+                acc_s = T.alloc_fragment([HG, BI], f32)
+                acc_dp = T.alloc_fragment([HG, BI], f32)
             acc_dq0 = T.alloc_fragment([HG, N0], f32)
             acc_dq1 = T.alloc_fragment([HG, N1], f32)
             acc_kvt = T.alloc_fragment([C, BI], f32)  # a dkv^T chunk: M = columns
@@ -286,6 +304,11 @@ def build_program(key, trace: bool = False):
             c2 = sm_scale * log2e
             n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
             n_blk = T.ceildiv(n_valid, BI)
+            # stored: row h0's P at Pds[pds_at] (dS a half further); the bound pass wrote each row's slots up to its
+            # last whole block of BOUND_BLOCK, and no piece past them is read
+            pds_at = ((T.cast(b_i, T.int64) * seq_len + s_i) * heads + h0) * pds_len
+            pds_half = T.cast(batch, T.int64) * seq_len * heads * pds_len
+            pds_end = T.ceildiv(n_valid, BOUND_BLOCK) * BOUND_BLOCK
             # WG0's first block goes out while q and dO fly (k_ready tracks the block, bar_q the query)
             if tx < 128:
                 next_rows(idx_n, Indices, b_i, s_i, 0, n_valid, tx)
@@ -302,9 +325,10 @@ def build_program(key, trace: bool = False):
 
             if tx < 128:
                 T.set_max_nreg(NREG[0], 1)
-                for h in T.Parallel(HG):
-                    lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, h0 + h], T.infinity(f32))
-                    delta_f[h] = T.if_then_else(h0 + h < heads, Delta[b_i, s_i, h0 + h], 0.0)
+                if not stored:
+                    for h in T.Parallel(HG):
+                        lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, h0 + h], T.infinity(f32))
+                        delta_f[h] = T.if_then_else(h0 + h < heads, Delta[b_i, s_i, h0 + h], 0.0)
                 T.clear(acc_dq0)
                 p = tx
                 for kb in T.serial(n_blk):
@@ -324,25 +348,51 @@ def build_program(key, trace: bool = False):
                         T.cp_async_barrier_noinc(bar_k_ready)
                         T.barrier_arrive(bar_k_ready)
                     next_rows(idx_n, Indices, b_i, s_i, kb + 1, n_valid, p)
-                    T.barrier_wait(bar_k_ready, kb & 1)
-                    if trace:
-                        if kb == 0:
-                            stamp(stamps, "first_block")
-                    T.wgmma_gemm(Q_shared, KV_shared, acc_s, transpose_B=True, clear_accum=True)
-                    T.wgmma_gemm(dO_shared, KV_shared[:, 0:D], acc_dp, transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    for h, j in T.Parallel(HG, BI):
-                        acc_s[h, j] = T.if_then_else(idx_shared[j] >= 0, T.exp2(acc_s[h, j] * c2 - lse_f[h]), 0.0)
-                    for h, j in T.Parallel(HG, BI):
-                        acc_dp[h, j] = acc_s[h, j] * (acc_dp[h, j] - delta_f[h]) * sm_scale
-                    # the next block's rows have had this block's products to arrive
-                    for r in T.unroll(PASSES):
-                        sc_n[r] = RowScale[b_i, T.min(T.max(idx_n[r], 0), seq_kv - 1)]
-                    if kb > 0:
-                        T.barrier_wait(bar_pds_free, (kb - 1) & 1)
-                    T.copy(acc_s, P_shared)
-                    T.copy(acc_dp, dS_shared)
-                    T.fence_proxy_async()
+                    if stored:
+                        # piece p + 128 u: head row (p + 128 u) // (BI / 8), slots 8 ((p + 128 u) % (BI / 8)) on;
+                        # zeros on padded heads and past the bound pass's last block
+                        for u in T.unroll(PIECES):
+                            for t, buf in ((0, pr), (1, dr)):  # a Python tuple: unrolled
+                                T.call_extern(
+                                    "handle", "smqa_ld16", T.address_of(buf[u * 8]), Pds.data,
+                                    t * pds_half + pds_at + T.cast((p + 128 * u) // (BI // 8), T.int64) * pds_len
+                                    + kb * BI + (p + 128 * u) % (BI // 8) * 8,
+                                    T.And(h0 + (p + 128 * u) // (BI // 8) < heads,
+                                          kb * BI + (p + 128 * u) % (BI // 8) * 8 < pds_end))
+                        for r in T.unroll(PASSES):
+                            sc_n[r] = RowScale[b_i, T.min(T.max(idx_n[r], 0), seq_kv - 1)]
+                        if kb > 0:
+                            T.barrier_wait(bar_pds_free, (kb - 1) & 1)
+                        for u in T.unroll(PIECES):
+                            for v in T.vectorized(8):
+                                P_shared[(p + 128 * u) // (BI // 8), (p + 128 * u) % (BI // 8) * 8 + v] = pr[u * 8 + v]
+                            for v in T.vectorized(8):
+                                dS_shared[(p + 128 * u) // (BI // 8), (p + 128 * u) % (BI // 8) * 8 + v] = dr[u * 8 + v]
+                        T.fence_proxy_async()
+                        T.barrier_wait(bar_k_ready, kb & 1)
+                        if trace:
+                            if kb == 0:
+                                stamp(stamps, "first_block")
+                    else:
+                        T.barrier_wait(bar_k_ready, kb & 1)
+                        if trace:
+                            if kb == 0:
+                                stamp(stamps, "first_block")
+                        T.wgmma_gemm(Q_shared, KV_shared, acc_s, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(dO_shared, KV_shared[:, 0:D], acc_dp, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        for h, j in T.Parallel(HG, BI):
+                            acc_s[h, j] = T.if_then_else(idx_shared[j] >= 0, T.exp2(acc_s[h, j] * c2 - lse_f[h]), 0.0)
+                        for h, j in T.Parallel(HG, BI):
+                            acc_dp[h, j] = acc_s[h, j] * (acc_dp[h, j] - delta_f[h]) * sm_scale
+                        # the next block's rows have had this block's products to arrive
+                        for r in T.unroll(PASSES):
+                            sc_n[r] = RowScale[b_i, T.min(T.max(idx_n[r], 0), seq_kv - 1)]
+                        if kb > 0:
+                            T.barrier_wait(bar_pds_free, (kb - 1) & 1)
+                        T.copy(acc_s, P_shared)
+                        T.copy(acc_dp, dS_shared)
+                        T.fence_proxy_async()
                     T.barrier_arrive(bar_p)
                     T.gemm(dS_shared, KV_shared[:, 0:N0], acc_dq0)
                     T.barrier_arrive(bar_k_free)

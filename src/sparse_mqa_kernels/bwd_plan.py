@@ -17,6 +17,11 @@ query chunks
     room for fewer at ``staging_bytes_per_query`` plus 4 bytes a head each. What a chunk holds of its own is its
     row ids; Delta, the kernel LSE and, with a sink, p_sink Delta (d_sink's terms) are whole-call fp32 [B, S, H]
     tensors whatever the chunking (see ``BwdPlan.workspace_bytes`` for everything a call holds beside its outputs).
+stored P and dS
+    With 64-head groups the bound pass forms S and dP exactly as the main kernel does; when ``pds_budget`` allows
+    (``BwdPlan.pds_bytes``: 4 bytes a (query, head, slot) for the whole call, since every row scale needs every
+    query's bound first), it also writes P and dS (bf16, [B, S, H, ``pds_len``]) and the main kernel reads them
+    instead of forming them: two products a block fewer. The bits are the same either way.
 fixed point
     Every dkv contribution is rounded to an integer multiple of a power of two and the integers are summed, so the
     sum is exact and independent of order.
@@ -45,6 +50,8 @@ TOPK_BLOCKS = {16: 32, 32: 16, 64: 48}
 SINGLE_ROLE_TOPK_BLOCK = 16
 TOPK_BLOCK = TOPK_BLOCKS[64]
 DEFAULT_WORKSPACE_BUDGET = 256 * 2**20  # bytes
+# bytes of stored P and dS a call may hold (BackwardConfig.pds_budget): 2 GiB at B1 S4096 H64 L2048, 4 GiB at H128
+DEFAULT_PDS_BUDGET = 8 * 2**30
 SCALAR_BYTES = 64 * 2**10  # workspace_bytes' allowance for 0-d tensors and reduction staging
 MAX_QUERY_CHUNK = 4096  # queries per launch: the anchor shape (S = 4096) is one launch
 ACC_BITS = 62  # int64 accumulator: magnitudes stay below 2**62, one bit short of the sign
@@ -90,6 +97,11 @@ class VariantKey:
     head_group: int
     topk_block: int
     single_role: bool = False
+    stored_pds: bool = False  # the warp-specialised body reading P and dS from the bound pass
+
+    def __post_init__(self):
+        if self.stored_pds and not self.warp_specialized:
+            raise ValueError("stored_pds needs the warp-specialised body (head_group 64, not single_role)")
 
     @property
     def warp_specialized(self) -> bool:
@@ -98,7 +110,7 @@ class VariantKey:
     def describe(self) -> str:
         body = "warp-specialised" if self.warp_specialized else "single-role"
         return (f"sparse_mqa_bwd Dqk{self.dqk} Dv{self.dv} head_group{self.head_group} "
-                f"topk_block{self.topk_block} {body}")
+                f"topk_block{self.topk_block} {body}" + (" stored P,dS" if self.stored_pds else ""))
 
 
 @dataclass(frozen=True)
@@ -107,11 +119,14 @@ class BackwardConfig:
 
     max_query_chunk: queries per launch (the workspace budget caps it too; the same dq, dkv and d_sink bits whatever
     the chunks); single_role: run 64-head groups on the single-role body as well (its int64 fixed point, one scale a
-    call: dkv agrees with the default to rounding), to compare the two bodies.
+    call: dkv agrees with the default to rounding), to compare the two bodies; pds_budget: the bytes the 64-head
+    path may hold of stored P and dS (``BwdPlan.pds_bytes``, 4 a (query, head, slot)): a call that needs more, or a
+    budget of 0, has the main kernel form them itself, slower, with the same dq, dkv and d_sink bits.
     """
 
     max_query_chunk: int = MAX_QUERY_CHUNK
     single_role: bool = False
+    pds_budget: int = DEFAULT_PDS_BUDGET
 
 
 def head_group_for(H: int) -> int:
@@ -135,6 +150,7 @@ class BwdPlan:
     head_group: int
     topk_block: int
     query_chunk: int
+    stored_pds: bool = False  # the bound pass stores P and dS for the main kernel (64-head groups)
 
     @property
     def n_groups(self) -> int:
@@ -183,11 +199,21 @@ class BwdPlan:
         """Slot ranges of the padded top-k loop; slots >= L are padding (invalid, never read)."""
         return [range(t0, t0 + self.topk_block) for t0 in range(0, self.padded_L, self.topk_block)]
 
+    @property
+    def pds_len(self) -> int:
+        """Slots a stored row of P or dS holds: L up to whole bound-pass blocks, which it writes whole (0 past the
+        valid slots); the main kernel reads no 16-byte piece past a row's last bound-pass block."""
+        return -(-self.L // BOUND_BLOCK) * BOUND_BLOCK
+
+    def pds_bytes(self) -> int:
+        """Stored P and dS: bf16 [B, S, H, pds_len] each."""
+        return 4 * self.B * self.S * self.H * self.pds_len
+
     def key(self, single_role: bool = False) -> VariantKey:
         """The compiled kernel this plan runs (B, S, Skv, H and L are runtime values)."""
         wide = single_role and self.head_group == 64
         return VariantKey(self.Dqk, self.Dv, self.head_group, SINGLE_ROLE_TOPK_BLOCK if wide else self.topk_block,
-                          single_role)
+                          single_role, self.stored_pds and not single_role)
 
     def row_scaled(self, single_role: bool = False) -> bool:
         """Whether dkv is summed in int32 at a scale per KV row (``bwd_rows``): 64-head groups on the
@@ -214,6 +240,7 @@ class BwdPlan:
           beside them) and 8 for its scale and inverse;
         - per (query, head), fp32: Delta and the kernel LSE for the whole call, and with a sink p_sink Delta, all
           three written by the bound pass: 2 rows, 3 with a sink;
+        - with ``stored_pds``, the stored P and dS (``pds_bytes``);
         - 4 per query: topk_length's stand-in when none is given, and 4 per query of a chunk for its row ids;
         - 64 KiB: the 0-d scalars and the reductions' staging.
 
@@ -234,7 +261,7 @@ class BwdPlan:
         tail = (0 if topk_given else 4 * self.B * self.S) + 4 * self.query_chunk + SCALAR_BYTES
         if self.row_scaled(single_role):
             return (self.accumulator_bytes(single_role) + 4 * kv_rows * (OCTAVES + 2)
-                    + 4 * rows * (3 if sink else 2) + tail)
+                    + 4 * rows * (3 if sink else 2) + (self.pds_bytes() if self.stored_pds else 0) + tail)
         return self.accumulator_bytes() + 13 * kv_rows + 1 + 13 * slots + 4 * rows * (6 if sink else 5) + tail
 
 
@@ -244,28 +271,33 @@ def staging_bytes_per_query(B: int, H: int) -> int:
 
 
 def make_plan(B: int, S: int, Skv: int, H: int, L: int, Dqk: int, Dv: int, *,
-              workspace_budget: int = DEFAULT_WORKSPACE_BUDGET, max_query_chunk: int = MAX_QUERY_CHUNK) -> BwdPlan:
-    """The plan for one call. ``workspace_budget`` bounds the per-chunk staging (at least one query a chunk)."""
+              workspace_budget: int = DEFAULT_WORKSPACE_BUDGET, max_query_chunk: int = MAX_QUERY_CHUNK,
+              pds_budget: int = DEFAULT_PDS_BUDGET, single_role: bool = False) -> BwdPlan:
+    """The plan for one call. ``workspace_budget`` bounds the per-chunk staging (at least one query a chunk);
+    ``pds_budget`` the stored P and dS of the 64-head path (``single_role``: none)."""
     for name, v in (("B", B), ("S", S), ("Skv", Skv), ("H", H), ("L", L), ("Dqk", Dqk), ("Dv", Dv),
                     ("max_query_chunk", max_query_chunk)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if Dv > Dqk:
         raise ValueError(f"Dv must be <= Dqk = {Dqk}, got {Dv}")
-    if workspace_budget < 0:
-        raise ValueError(f"workspace_budget must be >= 0, got {workspace_budget}")
+    for name, v in (("workspace_budget", workspace_budget), ("pds_budget", pds_budget)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {v!r}")
     head_group = head_group_for(H)
     plan = BwdPlan(B=B, S=S, Skv=Skv, H=H, L=L, Dqk=Dqk, Dv=Dv, head_group=head_group,
                    topk_block=TOPK_BLOCKS[head_group], query_chunk=1)
     per_q = staging_bytes_per_query(B, H) + 4 * H
     room = workspace_budget - plan.accumulator_bytes() - 8  # the sums do not depend on the chunk
     chunk = max(1, min(S, max_query_chunk, room // per_q)) if room > 0 else 1
-    return replace(plan, query_chunk=chunk)
+    stored = plan.row_scaled(single_role) and plan.pds_bytes() <= pds_budget
+    return replace(plan, query_chunk=chunk, stored_pds=stored)
 
 
 def all_variants(dims=contract.PRODUCTION_DIMS) -> list[VariantKey]:
     """Every kernel variant a plan can ask for (H and L are runtime sizes, so these cover every H and L)."""
-    return [VariantKey(dqk, dv, hg, TOPK_BLOCKS[hg]) for dqk, dv in dims for hg in HEAD_GROUPS]
+    return [VariantKey(dqk, dv, hg, TOPK_BLOCKS[hg], stored_pds=stored) for dqk, dv in dims for hg in HEAD_GROUPS
+            for stored in ((False, True) if hg == 64 else (False,))]
 
 
 def slot_mass(lse, attn_sink):

@@ -18,6 +18,8 @@ terms in (2**(b - 128), 2**(b - 127)] (``smqa_octave_add``, one integer add). In
 nothing global has to be known first, and the counts are the same whatever the order. Its prologue forms Delta_h =
 out_h . dO_h, max|q_h| and max|dO_h|, and from the contract's lse and sink the kernel LSE (``LSE_PRELUDE``); it writes
 Delta and the kernel LSE for the main kernel, and with a sink p_sink Delta for d_sink: no pass before this one.
+Its ``stored`` build also writes P and dS, bf16 as the main kernel would round them, for the main kernel to read
+instead of forming them (``bwd_plan``, "stored P and dS"): the pass already forms S and dP for the bound.
 ``sparse_mqa_bwd_scales`` sums a row's counts times their octaves' upper ends in float64, in bucket order: B_j, at
 most twice the bound the terms sum to. ``sparse_mqa_bwd_convert`` turns the int32 sums into bf16 with one rounding:
 float64 holds acc * 2**-F_j exactly, and cvt.rn.bf16.f64 rounds it once, as the NumPy oracle does.
@@ -44,6 +46,10 @@ TILES = 3  # the bound pass's KV tiles: block i in tile i % TILES
 # the producer's row lists (block i's in list i % ROW_LISTS): WG1 frees a tile before WG0 counts the block's rows,
 # so a list outlives its tile by a block
 ROW_LISTS = TILES + 1
+# the ``stored`` build: where WG0's P and WG1's dS are staged in the block's tile, past the hand-over (bytes), and
+# the named barrier each warpgroup's staging takes
+PDS_STAGE = (16384, 16384 + 64 * 72 * 2)
+PDS_BARRIERS = (7, 8)
 SCALE_ROWS = 32  # KV rows a block of the row-scale kernel, one thread each
 SCALE_THREADS = 512  # the threads that copy a block's counts
 CONVERT_ROWS = 8  # KV rows a block of the conversion
@@ -84,6 +90,59 @@ __device__ __forceinline__ void smqa_ex_put(void* ex, const float* v, int t) {
 __device__ __forceinline__ void smqa_ex_mul(float* acc, const void* ex, int t) {
   #pragma unroll
   for (int k = 0; k < 32; ++k) acc[k] *= static_cast<const float*>(ex)[128 * k + t];
+}
+// stored P and dS (the ``stored`` build): a warpgroup's 64 x 64 accumulator v (times m and scale where m is given)
+// as bf16 pairs pk[16], 0 in a column whose row list entry is negative (the main kernel's P and dS there)
+__device__ __forceinline__ void smqa_pack(unsigned int* pk, const float* v, const float* m, float scale,
+                                          const int* rows, int t) {
+  int lane = t & 31;
+  #pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    int col = 8 * k + 2 * (lane & 3);
+    bool ok0 = rows[col] >= 0, ok1 = rows[col + 1] >= 0;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float a = v[4 * k + 2 * half], b = v[4 * k + 2 * half + 1];
+      if (m != nullptr) {  // dS = P (dP - Delta) sm_scale, in the main kernel's order
+        a = a * m[4 * k + 2 * half] * scale;
+        b = b * m[4 * k + 2 * half + 1] * scale;
+      }
+      unsigned int pr;  // column col in the low half, col + 1 in the high
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pr) : "f"(ok1 ? b : 0.0f), "f"(ok0 ? a : 0.0f));
+      pk[2 * k + half] = pr;
+    }
+  }
+}
+__device__ __forceinline__ const float* smqa_no_factor() { return nullptr; }
+// ... then out to dst + off as rows of 64 slots (row r at r * ld, rows below nrows): staged in st, a padded
+// [64][72] bf16 tile (the fragment's 4-byte stores meet no bank conflict), and each row's 128 bytes written by 8
+// threads' 16-byte stores; bar_id: a named barrier of the warpgroup's 128 threads. dst comes const: TileLang declares
+// a buffer the kernel writes only through calls like this one read-only
+__device__ __forceinline__ void smqa_rows_out(void* st, const unsigned int* pk, const void* dst, long long off,
+                                              long long ld, int nrows, int t, int bar_id) {
+  unsigned short* s = static_cast<unsigned short*>(st);
+  int w = t >> 5, lane = t & 31;
+  #pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      int row = 16 * w + (lane >> 2) + 8 * half;
+      *reinterpret_cast<unsigned int*>(s + row * 72 + 8 * k + 2 * (lane & 3)) = pk[2 * k + half];
+    }
+  }
+  asm volatile("bar.sync %0, 128;" :: "r"(bar_id) : "memory");
+  unsigned short* d = static_cast<unsigned short*>(const_cast<void*>(dst)) + off;
+  #pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    int row = (t >> 3) + 16 * u, c8 = t & 7;
+    int4 x = *reinterpret_cast<const int4*>(s + row * 72 + c8 * 8);
+    if (row < nrows) *reinterpret_cast<int4*>(d + row * ld + c8 * 8) = x;
+  }
+}
+__device__ __forceinline__ void* smqa_at(void* p, int bytes) { return static_cast<char*>(p) + bytes; }
+__device__ __forceinline__ void smqa_ex_get(float* acc, const void* ex, int t) {
+  #pragma unroll
+  for (int k = 0; k < 32; ++k) acc[k] = static_cast<const float*>(ex)[128 * k + t];
 }
 // tile p's buffer (a, b or c): a select, so that one copy of the code serves every tile
 __device__ __forceinline__ void* smqa_tile(int p, void* a, void* b, void* c) { return p == 0 ? a : (p == 1 ? b : c); }
@@ -210,7 +269,7 @@ def tile_parity(i):
     return (i // TILES) & 1
 
 
-def build_bound(dqk: int, dv: int, trace: bool = False):
+def build_bound(dqk: int, dv: int, trace: bool = False, stored: bool = False):
     """``sparse_mqa_bwd_bound``: Delta, and each valid slot's bound counted in its KV row's octave (module docstring).
 
     Three warpgroups. WG0 runs S = q K^T and WG1 dP = dO V^T, each [64 heads x BI slots] with its query rows in
@@ -225,7 +284,13 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
     goes on to the next dP, while WG0's next S runs; WG0 adds the four warps' sums in turn (a fixed order) and counts
     each valid slot while it waits for that dP. Hand-overs are mbarriers: full / free (a tile; ``tile_parity``),
     dpdone, pfull and sums (once a block). Registers move from the producer to WG0 and WG1 with setmaxnreg (``NREG``).
-    ``trace``: a timing probe's build (``TRACE_SLOTS``), never the backend's."""
+    ``trace``: a timing probe's build (``TRACE_SLOTS``), never the backend's.
+
+    ``stored``: the pass also writes P and dS (bf16, the main kernel's values: 0 on a slot no valid row backs) for
+    the main kernel to read (``bwd_plan`` "stored P and dS"), into ``Pds``, [2, B, S, H, pds_len] flat. WG0 stages
+    P in the block's tile past the hand-over after it arrives on ``pfull``, and writes it out as whole rows; WG1
+    stages dS there after it arrives on ``sums``. A tile is free once both have read their stage (``free`` counts
+    both warpgroups). Otherwise ``Pds`` and ``pds_len`` are not read."""
     import tilelang.language as T
 
     BI = bwd_plan.BOUND_BLOCK
@@ -233,7 +298,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
     OC = dv // 8 // 32  # 16-byte chunks of out a lane, per head
     rope = dqk - dv  # a KV row's (and q's) columns past V's: a buffer of their own in each tile
     batch, seq_len, seq_kv, heads, topk, n_rows = T.dynamic("batch, seq_len, seq_kv, heads, topk, n_rows")
-    n_sink, sd_batch, sd_len, sd_heads = T.dynamic("n_sink, sd_batch, sd_len, sd_heads")
+    n_sink, sd_batch, sd_len, sd_heads, n_pds = T.dynamic("n_sink, sd_batch, sd_len, sd_heads, n_pds")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
     margin = 1.0 + bwd_plan.BOUND_MARGIN
@@ -256,6 +321,7 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                           T.cast(ph[k], T.int64))
 
     assert HG * BI <= HG * dv // 2 and BI == HG  # the hand-over fits in a tile's V buffer; tiles b, c view q's, dO's
+    assert PDS_STAGE[0] == HG * BI * 4 and PDS_STAGE[1] + HG * 72 * 2 <= BI * dv * 2  # the stages fit past it
 
     @T.macro
     def tile_product(rows_f, V0, V1, V2, acc, p, clear):
@@ -342,8 +408,10 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
         Lse2: T.Tensor([batch, seq_len, heads], f32),
         SinkDelta: T.Tensor([sd_batch, sd_len, sd_heads], f32),
         Hist: T.Tensor([batch, seq_kv, bwd_plan.OCTAVES], i32),
+        Pds: T.Tensor([n_pds], bf16),
         sm_scale: f32,
         has_sink: i32,
+        pds_len: i32,
         whole: i32,
         pieces: i32,
         per_piece: i32,
@@ -380,6 +448,9 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             do_f = T.alloc_fragment([HG, dv], bf16)  # WG1's
             acc = T.alloc_fragment([HG, BI], f32)  # WG0: S, then P
             accp = T.alloc_fragment([HG, BI], f32)  # WG1: dP, then its factor, then the terms
+            if stored:
+                pf = T.alloc_fragment([HG, BI], f32)  # WG1: P from the hand-over
+                pk = T.alloc_local([16], T.uint32)  # P (WG0) or dS (WG1) as bf16 pairs
             lse_f = T.alloc_fragment([HG], f32)
             c_f = T.alloc_fragment([HG], f32)
             g_f = T.alloc_fragment([HG], f32)
@@ -392,7 +463,8 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             bar_q = T.alloc_barrier(arrive_count=1)  # q and dO landed (TMA)
             # the producer's copies into a tile have landed: 128 cp.async arrivals and 128 plain ones
             bar_full = T.alloc_barrier(arrive_count=[256] * TILES)
-            bar_free = T.alloc_barrier(arrive_count=[128] * TILES)  # WG1 has read a tile's hand-over
+            # WG1 has read a tile's hand-over (and stored, WG0 and WG1 their stages there)
+            bar_free = T.alloc_barrier(arrive_count=[256 if stored else 128] * TILES)
             bar_dpdone = T.alloc_barrier(arrive_count=128)  # WG1's dP of the block is done: its tile may take P
             bar_pfull = T.alloc_barrier(arrive_count=128)  # WG0 has written P (and counted the block before)
             bar_sums = T.alloc_barrier(arrive_count=128)  # WG1 has written the block's sums
@@ -409,6 +481,10 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
             row = T.if_then_else(bx < whole, bx, whole + part // pieces)
             kb0 = T.if_then_else(bx < whole, 0, part % pieces * per_piece)
             b_i, s_i, h0 = by, Rows[row], bz * HG
+            # stored: the block's first P element, its dS's, and the rows it writes (its real heads)
+            pds_at = ((T.cast(b_i, T.int64) * seq_len + s_i) * heads + h0) * pds_len + kb0 * BI
+            pds_half = T.cast(batch, T.int64) * seq_len * heads * pds_len
+            pds_rows = T.min(heads - h0, HG)
             c2 = sm_scale * log2e
             n_valid = T.max(T.min(TopkLen[b_i, s_i], topk), 0)
             kb1 = T.if_then_else(bx < whole, T.ceildiv(n_valid, BI), T.min(kb0 + per_piece, T.ceildiv(n_valid, BI)))
@@ -482,6 +558,15 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                         tick(ph, c0, "wg0_dpdone", 0)
                     T.call_extern("handle", "smqa_ex_put", tile(p, Va, Qv, dO_shared), acc.data, tx)
                     T.barrier_arrive(bar_pfull)  # and WG1 may write the next sums: this block's are counted
+                    if stored:  # P out, off WG1's path
+                        T.call_extern("handle", "smqa_pack", pk.data, acc.data,
+                                      T.call_extern("handle", "smqa_no_factor"), sm_scale,
+                                      T.address_of(rows_s[i % ROW_LISTS, 0]), tx)
+                        T.call_extern("handle", "smqa_rows_out",
+                                      T.call_extern("handle", "smqa_at", tile(p, Va, Qv, dO_shared), PDS_STAGE[0]),
+                                      pk.data, Pds.data, pds_at + i * BI, T.cast(pds_len, T.int64), pds_rows, tx,
+                                      PDS_BARRIERS[0])
+                        T.barrier_arrive(bar_free[p])
                     if trace:
                         tick(ph, c0, "wg0_put", 0)
                 if n_blk > 0:
@@ -514,16 +599,30 @@ def build_bound(dqk: int, dv: int, trace: bool = False):
                     if trace:
                         tick(ph, c0, "wg1_dp", 1)
                     for h, j in T.Parallel(HG, BI):
-                        accp[h, j] = c_f[h] * T.abs(accp[h, j] - d_f[h]) + g_f[h]
+                        accp[h, j] = (accp[h, j] - d_f[h] if stored else c_f[h] * T.abs(accp[h, j] - d_f[h]) + g_f[h])
                     if trace:
                         tick(ph, c0, "wg1_f", 1)
                     T.barrier_wait(bar_pfull, i & 1)
                     if trace:
                         tick(ph, c0, "wg1_pfull", 1)
-                    T.call_extern("handle", "smqa_ex_mul", accp.data, tile(p, Va, Qv, dO_shared), tx - 128)
-                    T.barrier_arrive(bar_free[p])
-                    T.call_extern("handle", "smqa_col_sums", accp.data, T.address_of(red_s[0]), tx - 128)
-                    T.barrier_arrive(bar_sums)
+                    if stored:  # dS packed from P and dP - Delta, then the terms; dS out once the sums are put
+                        T.call_extern("handle", "smqa_ex_get", pf.data, tile(p, Va, Qv, dO_shared), tx - 128)
+                        T.call_extern("handle", "smqa_pack", pk.data, pf.data, accp.data, sm_scale,
+                                      T.address_of(rows_s[i % ROW_LISTS, 0]), tx - 128)
+                        for h, j in T.Parallel(HG, BI):
+                            accp[h, j] = (c_f[h] * T.abs(accp[h, j]) + g_f[h]) * pf[h, j]
+                        T.call_extern("handle", "smqa_col_sums", accp.data, T.address_of(red_s[0]), tx - 128)
+                        T.barrier_arrive(bar_sums)
+                        T.call_extern("handle", "smqa_rows_out",
+                                      T.call_extern("handle", "smqa_at", tile(p, Va, Qv, dO_shared), PDS_STAGE[1]),
+                                      pk.data, Pds.data, pds_half + pds_at + i * BI, T.cast(pds_len, T.int64),
+                                      pds_rows, tx - 128, PDS_BARRIERS[1])
+                        T.barrier_arrive(bar_free[p])
+                    else:
+                        T.call_extern("handle", "smqa_ex_mul", accp.data, tile(p, Va, Qv, dO_shared), tx - 128)
+                        T.barrier_arrive(bar_free[p])
+                        T.call_extern("handle", "smqa_col_sums", accp.data, T.address_of(red_s[0]), tx - 128)
+                        T.barrier_arrive(bar_sums)
                     if trace:
                         tick(ph, c0, "wg1_sums", 1)
                 if trace:
@@ -633,11 +732,12 @@ def _compile(program):
     return tilelang.compile(program, out_idx=None, target=TARGET, execution_backend=EXECUTION_BACKEND)
 
 
-def describe(dqk: int, dv: int) -> str:
-    return f"sparse_mqa_bwd_bound, _scales, _convert Dqk={dqk} Dv={dv}"
+def describe(dqk: int, dv: int, stored: bool = False) -> str:
+    return f"sparse_mqa_bwd_bound, _scales, _convert Dqk={dqk} Dv={dv}" + (" stored P,dS" if stored else "")
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(dqk: int, dv: int):
-    """(bound pass, row scales, conversion) for head dims (Dqk, Dv), compiled (or loaded from TILELANG_CACHE_DIR)."""
-    return _compile(build_bound(dqk, dv)), _compile(build_scales()), _compile(build_convert(dqk))
+def compiled(dqk: int, dv: int, stored: bool = False):
+    """(bound pass, row scales, conversion) for head dims (Dqk, Dv), compiled (or loaded from TILELANG_CACHE_DIR);
+    ``stored``: the bound pass that also writes P and dS."""
+    return _compile(build_bound(dqk, dv, stored=stored)), _compile(build_scales()), _compile(build_convert(dqk))

@@ -24,7 +24,8 @@ def variants() -> list[tuple[str, object]]:
     """Every variant as (kind, key), the longest compiles first so a pool ends together: the forward's, the
     backward's, the 64-head path's row-scale kernels, the prep pass's."""
     return ([("forward", k) for k in fwd_plan.all_variants()] + [("backward", k) for k in bwd_plan.all_variants()]
-            + [("rows", d) for d in contract.PRODUCTION_DIMS] + [("prep", d) for d in contract.PRODUCTION_DIMS])
+            + [("rows", (*d, stored)) for d in contract.PRODUCTION_DIMS for stored in (False, True)]
+            + [("prep", d) for d in contract.PRODUCTION_DIMS])
 
 
 def describe(task) -> str:

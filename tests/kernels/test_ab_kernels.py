@@ -82,8 +82,8 @@ def test_a_modules_pass_configs_reach_the_compiler(monkeypatch):
         PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
 
         @staticmethod
-        def build_bound(dqk, dv):
-            return (dqk, dv)
+        def build_bound(dqk, dv, stored=False):
+            return (dqk, dv, stored)
 
     class Plain:
         build_bound = Copy.build_bound

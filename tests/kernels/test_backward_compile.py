@@ -16,14 +16,17 @@ FLOAT_ATOMICS = ("atomicAdd(", "AtomicAddx2", "AtomicAddx4", "tma_store_add", "r
 
 
 ANCHOR = bwd_plan.make_plan(1, 4096, 8192, 64, 2048, 576, 512).key()
+ANCHOR_FORMED = bwd_plan.make_plan(1, 4096, 8192, 64, 2048, 576, 512, pds_budget=0).key()  # forms P and dS itself
 SMALL_GROUP = bwd_plan.make_plan(1, 64, 128, 16, 64, 576, 512).key()
 ANCHOR_SINGLE = bwd_plan.make_plan(1, 4096, 8192, 64, 2048, 576, 512).key(single_role=True)
 
 
-@pytest.fixture(scope="module")
-def source():
+@pytest.fixture(scope="module", params=[ANCHOR, ANCHOR_FORMED], ids=["stored", "formed"])
+def source(request):
+    """The 64-head main kernel at the anchor, reading stored P and dS, and forming them itself."""
     assert backward.TARGET == {"kind": "cuda", "arch": "sm_90a"}
-    return backward.kernel_source(ANCHOR)
+    assert request.param.stored_pds == (request.param is ANCHOR)
+    return backward.kernel_source(request.param)
 
 
 def _body(src: str) -> str:
@@ -46,7 +49,7 @@ def test_dkv_reduction_is_integer_only(source):
     assert set(re.findall(r"\b(?:red|atom)\.[\w.]+", source)) == {"red.relaxed.gpu.global.add.u32"}
     assert "cp.reduce.async.bulk" not in source
     helpers = set(re.findall(r"((?:sparse_mqa|smqa)_\w+)[(<]", _body(source))) - {"sparse_mqa_bwd_ws_kernel"}
-    assert helpers == {"smqa_send_block"}, helpers
+    assert helpers - {"smqa_ld16"} == {"smqa_send_block"}, helpers  # and the stored P and dS loads
 
 
 def test_only_valid_rows_are_sent(source):
@@ -377,7 +380,7 @@ def test_wide_probe_compiles_in_cudnns_shape():
         assert "atomicAdd" not in body and "AtomicAdd" not in body
         threads = 384 if variant.endswith("ws") else 256
         assert f"__launch_bounds__({threads}, 1)" in body, variant
-    assert mod.compiled("48/ws").get_kernel_source() == backward.kernel_source(ANCHOR)
+    assert mod.compiled("48/ws").get_kernel_source() == backward.kernel_source(ANCHOR_FORMED)
 
 
 def test_design_a_kernels_compile():
@@ -411,3 +414,39 @@ def test_design_a_kernels_compile():
     assert "atomicAdd" not in body
     for which in ("vnorms", "qvmax", "scales1"):
         assert "atomicAdd" not in split.compiled(which).get_kernel_source(), which
+
+
+def test_stored_bound_pass_writes_p_and_ds_through_the_tile_before_freeing_it():
+    """The ``stored`` bound pass: WG0 packs P and writes it out (``smqa_rows_out``: staged past the hand-over, its
+    named barrier, whole rows) after it arrives on ``pfull``, WG1 dS after it arrives on ``sums``; each then arrives
+    on the tile's ``free``, which counts both warpgroups (128 each). The calls are unguarded statements (a skipped
+    one would leave its warpgroup's other threads at the named barrier). The formed build writes neither."""
+    from sparse_mqa_kernels import bwd_rows
+
+    body = _body(bwd_rows.compiled(576, 512, True)[0].get_kernel_source())
+    outs = list(re.finditer(r"\n( *)smqa_rows_out\(smqa_at\(smqa_tile\(\((i_\d+) % 3\).*?\), (\d+)\), pk, Pds, .*?, "
+                            r"(\d+)\);\n\1bar_free\[\(\2 % 3\)\]\.arrive\(\);", body))
+    assert [(int(m.group(3)), int(m.group(4))) for m in outs] == list(zip(bwd_rows.PDS_STAGE, bwd_rows.PDS_BARRIERS))
+    assert body.count("smqa_rows_out(") == 2 and body.count("smqa_pack(pk, ") == 2
+    wg0, wg1 = (m.start() for m in outs)
+    assert body.rindex("bar_pfull[0].arrive();", 0, wg0) > body.rindex("smqa_ex_put(", 0, wg0)
+    assert body.rindex("bar_sums[0].arrive();", 0, wg1) > body.rindex("smqa_col_sums(", 0, wg1)
+    assert re.findall(r"bar_free\[\d\]\.init\((\d+)\)", body) == ["256"] * bwd_rows.TILES
+    formed = _body(bwd_rows.compiled(576, 512)[0].get_kernel_source())
+    assert "smqa_rows_out(" not in formed and "Pds[" not in formed and "smqa_pack(" not in formed
+    assert re.findall(r"bar_free\[\d\]\.init\((\d+)\)", formed) == ["128"] * bwd_rows.TILES
+
+
+def test_stored_main_kernel_reads_p_and_ds_instead_of_forming_them():
+    """The ``stored_pds`` main kernel loads the block's P and dS (``smqa_ld16``, zeros on padded heads and past the
+    row's last bound-pass block) and forms neither: no exp2, no Lse2 or Delta read, two fewer products a block than
+    the build that forms them."""
+    stored, formed = (_body(backward.kernel_source(k)) for k in (ANCHOR, ANCHOR_FORMED))
+    loads = re.findall(r"smqa_ld16\(\(&\(\w+\[.*?\]\)\), Pds, (.*?)\);\n", stored)
+    assert len(loads) == 2, loads  # P and dS, in a loop over the thread's pieces
+    for cond in loads:
+        assert "< heads)" in cond and "((n_valid + 63) >> 6)" in cond, cond
+    assert "exp2" not in stored and "Lse2[" not in stored and "Delta[" not in stored
+    assert "smqa_ld16(" not in formed and "exp2" in formed
+    gemms = [len(re.findall(r"wgmma_(?:ss|rs)<", b)) for b in (stored, formed)]
+    assert gemms[1] - gemms[0] == 2, gemms

@@ -53,18 +53,45 @@ def test_plan_covers_exactly_and_stays_in_bounds(H, L, S, B, budget, maxq):
 def test_anchor_plan_is_one_launch():
     p = make_plan(1, 4096, 8192, 64, 2048, 576, 512)
     assert (p.head_group, p.n_groups, p.n_topk_blocks, p.n_chunks) == (64, 1, -(-2048 // bwd_plan.TOPK_BLOCK), 1)
-    assert p.key() == bwd_plan.VariantKey(576, 512, 64, bwd_plan.TOPK_BLOCK)
+    assert p.key() == bwd_plan.VariantKey(576, 512, 64, bwd_plan.TOPK_BLOCK, stored_pds=True)
     assert p.key() in bwd_plan.all_variants() and p.key().warp_specialized
+    # stored P and dS: 2 x bf16 [1, 4096, 64, 2048], 2 GiB, under the default budget
+    assert p.stored_pds and p.pds_len == 2048 and p.pds_bytes() == 4 * 4096 * 64 * 2048
 
 
 def test_variants_cover_every_plan():
     vs = set(bwd_plan.all_variants())
     for H in range(1, 200):
         for dqk, dv in ((576, 512), (512, 512)):
-            assert make_plan(2, 3, 5, H, 7, dqk, dv).key() in vs
+            for budget in (0, bwd_plan.DEFAULT_PDS_BUDGET):
+                assert make_plan(2, 3, 5, H, 7, dqk, dv, pds_budget=budget).key() in vs
 
 
-@pytest.mark.parametrize("bad", [dict(H=0), dict(L=0), dict(S=-1), dict(Dv=600), dict(H=1.5), dict(B=True)])
+@settings(max_examples=200, deadline=None)
+@given(H=st.integers(1, 300), L=st.integers(1, 5000), S=st.integers(1, 20000), B=st.integers(1, 4),
+       budget=st.sampled_from([0, 1, 2**30, bwd_plan.DEFAULT_PDS_BUDGET]), single=st.booleans())
+def test_p_and_ds_are_stored_exactly_when_the_budget_holds_them(H, L, S, B, budget, single):
+    p = make_plan(B, S, 64, H, L, 576, 512, pds_budget=budget, single_role=single)
+    # a stored row covers every bound-pass block of L (the pass writes whole blocks), and no more
+    assert p.pds_len % bwd_plan.BOUND_BLOCK == 0 and 0 <= p.pds_len - L < bwd_plan.BOUND_BLOCK
+    assert p.pds_bytes() == 2 * 2 * B * S * H * p.pds_len
+    assert p.stored_pds == (p.head_group == 64 and not single and p.pds_bytes() <= budget)
+    assert p.key(single).stored_pds == p.stored_pds and (not p.stored_pds or p.key().warp_specialized)
+    # the workspace counts them when stored, and only then
+    formed = make_plan(B, S, 64, H, L, 576, 512, pds_budget=0)
+    extra = p.workspace_bytes(sink=True, topk_given=False) - formed.workspace_bytes(sink=True, topk_given=False)
+    assert extra == (p.pds_bytes() if p.stored_pds else 0)
+
+
+def test_a_stored_key_needs_the_warp_specialised_body():
+    with pytest.raises(ValueError, match="stored_pds needs the warp-specialised body"):
+        bwd_plan.VariantKey(576, 512, 32, 16, stored_pds=True)
+    with pytest.raises(ValueError, match="stored_pds needs the warp-specialised body"):
+        bwd_plan.VariantKey(576, 512, 64, 16, single_role=True, stored_pds=True)
+
+
+@pytest.mark.parametrize("bad", [dict(H=0), dict(L=0), dict(S=-1), dict(Dv=600), dict(H=1.5), dict(B=True),
+                                 dict(pds_budget=-1), dict(pds_budget=1.5), dict(workspace_budget=-1)])
 def test_plan_rejects_bad_sizes(bad):
     args = dict(B=1, S=2, Skv=3, H=4, L=5, Dqk=576, Dv=512) | bad
     with pytest.raises(ValueError, match=next(iter(bad))):

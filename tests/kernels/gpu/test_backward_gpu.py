@@ -186,6 +186,37 @@ def test_both_kernel_bodies_pass_and_chunks_change_no_bit(case):
     check_backward_tolerance(SingleRole(), case).raise_if_failed()
 
 
+_STORED = [_CASES[i] for i in (6, 7, 9, 12, 13)] + [
+    # rows of one, two and four bound-pass blocks, the main kernel's last block past a row's last one (L 100: 64 + 36
+    # slots, 48-slot blocks to 144); 33 heads: a padded group
+    Case(B=2, S=9, Skv=300, H=33, L=100, Dqk=576, Dv=512, sink="finite", topk="random", invalid="holes", seed=45),
+    Case(B=1, S=40, Skv=500, H=64, L=200, Dqk=512, Dv=512, sink="none", topk="random", invalid="tails", seed=46),
+]
+
+
+@pytest.mark.parametrize("case", _STORED, ids=lambda c: c.describe().replace(" ", "_"))
+def test_stored_p_and_ds_change_no_bit(case):
+    """64-head groups: the main kernel reading P and dS that the bound pass stored (the default where
+    ``pds_budget`` allows) gives the dq, dkv and d_sink bits of it forming them itself (``pds_budget=0``): the same
+    products of the same operands, rounded to bf16 in one place or the other. Signed zeros and NaN placement count
+    as equal here (a slot no valid row backs has P = +0 stored, +-0 formed)."""
+    from sparse_mqa_kernels import bwd_plan
+    from sparse_mqa_kernels.backward import sparse_mqa_backward
+    from sparse_mqa_kernels.bwd_plan import BackwardConfig
+
+    assert bwd_plan.make_plan(case.B, case.S, case.Skv, case.H, case.L, case.Dqk, case.Dv).stored_pds
+    t = case_args(BACKEND, case)
+    args = (t["q"], t["kv"], t["out"], t["grad_out"], t["lse"], t["attn_sink"], t["indices"], t["sm_scale"])
+    stored = sparse_mqa_backward(*args, topk_length=t["topk_length"])
+    formed = sparse_mqa_backward(*args, topk_length=t["topk_length"], config=BackwardConfig(pds_budget=0))
+    for name, a, b in zip(("dq", "dkv", "d_sink"), stored, formed):
+        if a is None or b is None:
+            assert a is b, name
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m, n=name: f"{n}: {m}")
+    assert int((stored[1] != 0).sum()) > 0
+
+
 @pytest.mark.parametrize("H, dims, sink", [(1, (576, 512), False), (17, (576, 512), True), (64, (512, 512), True)])
 def test_prep_pass_matches_its_formulas(H, dims, sink):
     """``bwd_prep``: Delta = <out, dO> to float32 summation error, the fixed-point exponent F the largest with
@@ -275,29 +306,46 @@ def test_views_at_odd_addresses_change_no_bit():
         assert torch.equal(a, b), name
 
 
-def test_bound_pass_splits_change_no_bit():
+@pytest.mark.parametrize("stored", [False, True], ids=["formed", "stored"])
+def test_bound_pass_splits_change_no_bit(stored):
     """The bound pass with rows split over several blocks (``BwdPlan.bound_split``'s launch; pieces of one or two
-    top-k blocks, an empty last piece, no whole rows) gives Delta, the kernel LSE, p_sink Delta and the octave counts
-    bitwise equal to one block a row: the counts are integer adds, and a row's first piece alone writes the rest."""
+    top-k blocks, an empty last piece, no whole rows) gives Delta, the kernel LSE, p_sink Delta, the octave counts
+    and (``stored``) P and dS bitwise equal to one block a row: the counts are integer adds, a row's first piece
+    alone writes the per-head values, and each piece its own blocks' P and dS, every slot of them (0 past the valid
+    ones), and nothing past a row's last block."""
     from sparse_mqa_kernels import bwd_plan, bwd_rows
 
     case = Case(B=2, S=9, Skv=300, H=64, L=200, Dqk=576, Dv=512, sink="finite", topk="random", invalid="holes",
                 seed=43)
     t = case_args(BACKEND, case)
-    bound = bwd_rows.compiled(576, 512)[0]
+    plan = bwd_plan.make_plan(case.B, case.S, case.Skv, case.H, case.L, case.Dqk, case.Dv)
+    bound = bwd_rows.compiled(576, 512, stored)[0]
     rows = torch.arange(case.S, dtype=torch.int32, device="cuda")
     nb = -(-case.L // bwd_plan.BOUND_BLOCK)
+    marker = 2.0**100  # what the kernel never writes here: P <= 1, and dS of these inputs is far smaller
 
     def run(whole, pieces, per):
         per_head = [torch.full((case.B, case.S, case.H), math.nan, dtype=torch.float32, device="cuda")
                     for _ in range(3)]
         hist = torch.zeros((case.B, case.Skv, bwd_plan.OCTAVES), dtype=torch.int32, device="cuda")
+        pds = (torch.full((plan.pds_bytes() // 2,), marker, dtype=torch.bfloat16, device="cuda") if stored
+               else t["q"].view(-1))
         bound(t["q"], t["out"], t["grad_out"], t["kv"], t["indices"], t["topk_length"], t["lse"], t["attn_sink"],
-              rows, *per_head, hist, float(t["sm_scale"]), 1, whole, pieces, per)
-        return (*per_head, hist)
+              rows, *per_head, hist, pds, float(t["sm_scale"]), 1, plan.pds_len if stored else 0, whole, pieces, per)
+        return (*per_head, hist) + ((pds,) if stored else ())
 
     ref = run(case.S, 1, nb)
     assert all(torch.isfinite(r).all() for r in ref[:3]) and int(ref[3].sum()) > 0
+    if stored:  # written exactly up to each row's last bound-pass block, 0 on the slots past its valid ones
+        pds = ref[4].view(2, case.B, case.S, case.H, plan.pds_len).float()
+        n_valid = t["topk_length"].clamp(0, case.L).long()
+        end = (n_valid + bwd_plan.BOUND_BLOCK - 1) // bwd_plan.BOUND_BLOCK * bwd_plan.BOUND_BLOCK
+        slot = torch.arange(plan.pds_len, device="cuda")
+        written = (slot < end[..., None, None])[None].expand_as(pds)
+        assert bool((pds[written] != marker).all()) and bool((pds[~written] == marker).all())
+        past = (slot >= n_valid[..., None, None])[None].expand_as(pds) & written
+        assert bool(past.any()) and bool((pds[past] == 0).all())
+        assert bool((pds[0][written[0]] > 0).any())
     for split in [(0, nb, 1), (5, 2, 2), (8, 3, 2), (0, 1, nb)]:
         got = run(*split)
         assert all(torch.equal(g, r) for g, r in zip(got, ref)), f"split (whole, pieces, per) = {split}"
@@ -323,7 +371,7 @@ def test_bound_pass_forms_the_contracts_kernel_lse_and_sink_terms(sink):
                                for _ in range(3))
     hist = torch.zeros((case.B, case.Skv, bwd_plan.OCTAVES), dtype=torch.int32, device="cuda")
     bound(t["q"], t["out"], t["grad_out"], t["kv"], t["indices"], t["topk_length"], lse, sink_t, rows, delta, lse2,
-          sink_delta, hist, float(t["sm_scale"]), int(has_sink), case.S, 1, 1)
+          sink_delta, hist, t["q"].view(-1), float(t["sm_scale"]), int(has_sink), 0, case.S, 1, 1)
     want = contract.lse_to_base2(lse, t["attn_sink"])
     assert torch.isinf(want).any()
     torch.testing.assert_close(lse2, want, rtol=2**-22, atol=0)
