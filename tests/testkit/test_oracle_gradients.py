@@ -25,20 +25,25 @@ U64 = 2.0**-53
 
 
 def _phi(x, q, kv, sink):
-    """phi = <dO, out> and the size of its terms, sum |dO * out| (for the rounding-noise floor)."""
+    """phi = <dO, out> and a bound on the size of what its rounding scales with, sum |dO| max |V| (for the
+    rounding-noise floor): out = sum_t p_t V_t carries rounding errors of a few u sum_t p_t |V_t| <= u max |V|
+    however much its slots cancel, not of u |out|."""
     kw = {**kwargs(x), "attn_sink": sink}
     out, _ = oracle.forward(q, kv, x["indices"], dtype=np.float64, **kw)
     assert np.isfinite(out).all()
-    terms = x["grad_out"].astype(np.float64) * out
-    return float(np.sum(terms)), float(np.sum(np.abs(terms)))
+    dO = x["grad_out"].astype(np.float64)
+    v = np.abs(kv[..., :out.shape[-1]])
+    return float(np.sum(dO * out)), float(np.sum(np.abs(dO))) * float(v[np.isfinite(v)].max(initial=0.0))
 
 
 def _check(name, fd_noise, grad, v):
     """|fd - <grad, v>| <= RTOL * sum|grad * v| + noise.
 
     Relative to the terms' own size, so cancellation in <grad, v> is judged fairly. ``noise`` is the finite
-    difference's own rounding floor, 16 u |phi terms| / h: it matters only where the true derivative is 0 (e.g.
-    Skv = 1, where out does not depend on q at all and phi moves by a few ulps only).
+    difference's own rounding floor, 16 u sum |dO| max |V| / h (``_phi``): it matters where the true derivative is 0
+    (e.g. Skv = 1, where out does not depend on q at all and phi moves by a few ulps only) and where a large dO
+    meets slots that cancel in out (dO of 1e6 on an out of 1e-3: phi's rounding, divided by h, is then 1e-5 of a
+    derivative of order 1).
     """
     fd, noise = fd_noise
     analytic = float(np.sum(grad * v))
@@ -77,3 +82,30 @@ def test_backward_matches_central_differences(case):
         # perturb finite sinks only: +-inf + eps is still +-inf, and inf - inf would poison the difference
         vs = np.where(np.isfinite(sink), rng.standard_normal(sink.shape), 0.0)
         _check("sink", fd(zq, zkv, vs), d_sink, vs)
+
+
+def test_the_check_catches_a_gradient_off_by_a_part_in_ten_thousand():
+    """Meta-test: the noise floor stays far below a real error: each gradient scaled by 1 + 1e-4 fails the check,
+    including on a case with dO of 1e6 (where the floor is widest)."""
+    import pytest
+
+    from sparse_mqa_testkit.cases import Case
+
+    for magnitude in ("unit", "spread"):
+        case = Case(B=1, S=4, Skv=10, H=2, L=6, Dqk=8, Dv=4, sink="finite", magnitude=magnitude, seed=3)
+        x = case.inputs()
+        q, kv, sink = (x[k].astype(np.float64) for k in ("q", "kv", "attn_sink"))
+        grads = oracle.backward(q, kv, x["indices"], x["grad_out"], dtype=np.float64,
+                                **{**kwargs(x), "attn_sink": sink})
+        rng = np.random.default_rng(0)
+        h = EPS * max(1.0, float(np.abs(q).max()), float(np.abs(kv).max()))
+        for k, (name, g) in enumerate(zip(("q", "kv", "sink"), grads)):
+            v = rng.standard_normal(g.shape)
+            shifted = [t + h * v if j == k else t for j, t in enumerate((q, kv, sink))]
+            plus, mag = _phi(x, *shifted)
+            shifted = [t - h * v if j == k else t for j, t in enumerate((q, kv, sink))]
+            minus, _ = _phi(x, *shifted)
+            fd = ((plus - minus) / (2 * h), 16 * U64 * mag / h)
+            _check(name, fd, g, v)
+            with pytest.raises(AssertionError, match=f"d{name}: finite difference"):
+                _check(name, fd, g * (1 + 1e-4), v)
