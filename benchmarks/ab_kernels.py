@@ -65,9 +65,9 @@ def build(kernel: str, mod, dqk: int, dv: int, key):
                             execution_backend=EXECUTION_BACKEND)
 
 
-def _inputs(preset: str):
-    """One input set of ``preset`` and everything the two kernels take, from the tree's forward, bound pass and
-    row scales."""
+def _inputs(preset: str, indices: str = "random"):
+    """One input set of ``preset`` (top-k pattern ``indices``) and everything the two kernels take, from the tree's
+    forward, bound pass and row scales."""
     import torch
 
     from sparse_mqa_kernels import bwd_plan, bwd_rows, forward
@@ -75,7 +75,7 @@ def _inputs(preset: str):
     from sparse_mqa_kernels.target import sm_count
 
     shape = PRESETS[preset]
-    x = make_inputs(shape, "cuda", seed=0, sink=True)
+    x = make_inputs(shape, "cuda", seed=0, sink=True, indices=indices)
     q, kv, do, idx, sm = x["q"], x["kv"], x["grad_out"], x["indices"], x["sm_scale"]
     out, lse = forward.sparse_mqa_forward(q, kv, idx, sm, shape.Dv, attn_sink=x["attn_sink"])
     B, S, H, Dqk = q.shape
@@ -162,6 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("kernel", choices=("main", "bound"))
     p.add_argument("builds", nargs="+", help="name=module.py, the first the reference")
     p.add_argument("--preset", default="anchor", help="comma-separated sparse-mqa-bench presets")
+    p.add_argument("--indices", default="random", help="the top-k pattern (sparse-mqa-bench's --indices)")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--calls", type=int, default=5, help="calls of each build a round")
     p.add_argument("--compile-only", action="store_true", help="build for sm_90a into TILELANG_CACHE_DIR, no GPU")
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
         return 0
     names = ("dq", "sums") if args.kernel == "main" else ("Delta", "counts", "kernel LSE", "p_sink Delta", "P and dS")
     for preset in presets:
-        x = _inputs(preset)
+        x = _inputs(preset, args.indices)
         fresh, call = _runner(args.kernel, x)
         ref = None
         for name, k in kernels[preset].items():
