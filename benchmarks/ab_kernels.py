@@ -70,7 +70,7 @@ def _inputs(preset: str, indices: str = "random"):
     forward, bound pass and row scales."""
     import torch
 
-    from sparse_mqa_kernels import bwd_plan, bwd_rows, forward
+    from sparse_mqa_kernels import backward, bwd_plan, bwd_rows, forward
     from sparse_mqa_kernels.bench.shapes import PRESETS, make_inputs
     from sparse_mqa_kernels.target import sm_count
 
@@ -87,8 +87,7 @@ def _inputs(preset: str, indices: str = "random"):
     bound, scales, _ = bwd_rows.compiled(Dqk, shape.Dv, plan.stored_pds)
     delta, lse2, sink_delta = (torch.empty((B, S, H), dtype=torch.float32, device="cuda") for _ in range(3))
     hist = torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device="cuda")
-    pds_len = plan.pds_len if plan.stored_pds else 0
-    pds = torch.empty(plan.pds_bytes() // 2, dtype=torch.bfloat16, device="cuda") if pds_len else q.view(-1)
+    pds, pds_len = backward.stored_pds_buffer(plan, q)
     bound(q, out, do, kv, idx, tl, lse, x["attn_sink"], rows, delta, lse2, sink_delta, hist, pds, sm, 1, pds_len,
           *split)
     scale, inv = (torch.empty((B, Skv), dtype=torch.float32, device="cuda") for _ in range(2))

@@ -111,15 +111,14 @@ def main(argv) -> int:
         sm_scale = float(x["sm_scale"])
         B, S, H, Dqk = q.shape
         Dv, Skv = do.shape[-1], kv.shape[1]
-        key = bwd_plan.make_plan(B, S, Skv, H, idx.shape[-1], Dqk, Dv).key()
+        plan = bwd_plan.make_plan(B, S, Skv, H, idx.shape[-1], Dqk, Dv)
+        key = plan.key()
         traced = tilelang.compile(backward_ws.build_program(key, trace=True), out_idx=None, target=TARGET,
                                   execution_backend=EXECUTION_BACKEND)
         tl = torch.full((B, S), idx.shape[-1], dtype=torch.int32, device="cuda")
         rows = torch.arange(S, dtype=torch.int32, device="cuda")
-        plan = bwd_plan.make_plan(B, S, Skv, H, idx.shape[-1], Dqk, Dv)
         bound, scales, _ = bwd_rows.compiled(Dqk, Dv, plan.stored_pds)
-        pds_len = plan.pds_len if plan.stored_pds else 0
-        pds = torch.empty(plan.pds_bytes() // 2, dtype=torch.bfloat16, device="cuda") if pds_len else q.view(-1)
+        pds, pds_len = backward.stored_pds_buffer(plan, q)
         delta, lse2, sink_delta = (torch.empty((B, S, H), dtype=torch.float32, device="cuda") for _ in range(3))
         hist = torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device="cuda")
         split = plan.bound_split(S, sm_count(0))

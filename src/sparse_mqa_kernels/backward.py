@@ -359,6 +359,16 @@ def _launch_rows(plan, dev):
         yield torch.arange(c.start, c.stop, dtype=torch.int32, device=dev)
 
 
+def stored_pds_buffer(plan, q):
+    """``(pds, pds_len)``, what the 64-head kernels take for stored P and dS: with ``plan.stored_pds`` the flat
+    [2, B, S, H, pds_len] bf16 buffer (uninitialised: the bound pass writes every slot a row's bound-pass blocks
+    cover, and the main kernel reads no other) and its row length; otherwise q as a stand-in neither kernel reads,
+    and 0."""
+    if not plan.stored_pds:
+        return q.view(-1), 0
+    return torch.empty(plan.pds_bytes() // 2, dtype=torch.bfloat16, device=q.device), plan.pds_len
+
+
 def _one_scale(plan, config, q, kv, out, grad_out, lse, attn_sink, indices, tl, sm_scale):
     """The single-role body: Delta and the call's fixed point (``_prep``), the kernel per query chunk, int64 sums at
     2**-F converted in place. Returns dq, dkv and, with a sink, p_sink Delta [B, S, H]."""
@@ -388,10 +398,7 @@ def _row_scaled(plan, q, kv, out, grad_out, lse, attn_sink, indices, tl, sm_scal
     # without a sink the pass ignores both by its flag: lse stands in for them (no allocation, nothing written)
     sink = kernel_ready(attn_sink) if has_sink else lse.view(-1)
     sink_delta = torch.empty_like(delta) if has_sink else lse
-    # P and dS, [2, B, S, H, pds_len] (bwd_plan: every slot a row's bound-pass blocks cover is written); without
-    # them both kernels get q as a stand-in they never read
-    pds_len = plan.pds_len if plan.stored_pds else 0
-    pds = torch.empty(plan.pds_bytes() // 2, dtype=torch.bfloat16, device=dev) if plan.stored_pds else q.view(-1)
+    pds, pds_len = stored_pds_buffer(plan, q)
     hist = torch.zeros((B, Skv, bwd_plan.OCTAVES), dtype=torch.int32, device=dev)
     n_sm = sm_count(dev)
     for rows in _launch_rows(plan, dev):
