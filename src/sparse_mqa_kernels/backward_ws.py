@@ -10,7 +10,8 @@ shape, with a sender added):
 - WG1 runs dq[:, N0:] and dkv^T = Q^T dS + dO^T P in ``NCH`` chunks of ``C`` columns (wgmma with the columns as M),
   rounds each chunk to int32 at its KV row's scale (``bwd_rows``: 2**F_j, from the bound pass) and stages it (its
   dq product goes out with chunk 0's two, and KV is freed once that one is done; a chunk's two products share one
-  wait);
+  wait); in the ``stored_pds`` variant, whose WG0 needs fewer registers, WG1 holds two chunks and issues chunk
+  c + 1's products before it stages chunk c (``stage_chunk``);
 - WG2 sends the staged rows with ``red.relaxed.gpu.global.add.u32`` (``smqa_send_block``): integer adds, so the sum
   is exact and order-free; a row no valid slot backs is never sent.
 
@@ -18,7 +19,7 @@ WG0 reads the next block's indices while this block's copies fly and their scale
 by TMA (``query_tiles``), and WG0's first block flies with them. Hand-overs are mbarriers: q (q and dO), k_ready /
 k_free (the KV tile), p (P and dS in shared memory), pds_free (WG1 is done reading them), staged / read (a chunk of
 the one staging buffer; parities in ``read_parity``). Registers move from the sender to the two computing
-warpgroups with setmaxnreg (``NREG``).
+warpgroups with setmaxnreg (``NREG``, ``NREG_STORED``).
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the kernel's parameter annotations.
@@ -36,7 +37,10 @@ ROWS_PER_PASS = 16  # WG0's gather: 8 threads a KV row, 16 bytes each
 # rounded down to 8), and an increase only takes what a decrease in the same block gave back. The sender's 64 hold a
 # whole chunk of its rows (pointers and values) without spilling; WG1 runs in 216
 NREG = (224, 216, 64)
-assert sum(NREG) == 3 * 168
+# the ``stored_pds`` variant: WG0 forms neither S nor dP, so WG1 can hold a second dkv^T chunk (``stage_chunk``); it
+# needs 240 for that (232 spills 792 bytes), and WG0 at 200 spills three words, reloaded once a block
+NREG_STORED = (200, 240, 64)
+assert sum(NREG) == sum(NREG_STORED) == 3 * 168
 
 PRELUDE = r"""
 __device__ __forceinline__ void smqa_mbar_wait(void* bar, int parity) {
@@ -192,6 +196,7 @@ def build_program(key, trace: bool = False):
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     log2e = contract.LOG2E
     stored = key.stored_pds
+    nreg = NREG_STORED if stored else NREG
     PIECES = HG * BI // 8 // 128  # stored: 16-byte pieces of P (and of dS) a WG0 thread loads a block
     assert not stored or (HG * BI // 8 % 128 == 0 and BI % 8 == 0)
 
@@ -242,6 +247,36 @@ def build_program(key, trace: bool = False):
                 scale_shared[r * ROWS_PER_PASS + p // 8] = T.if_then_else(
                     valid(r * ROWS_PER_PASS + p // 8, idx_n[r], n_valid, seq_kv), sc_n[r], 0.0)
 
+    def n_products(c):
+        # wgmma groups of chunk c (each product is one): dO^T P only where the chunk's columns are V's
+        return 0 if c >= NCH else (2 if c * C < D else 1)
+
+    @T.macro
+    def chunk_products(Q_shared, dO_shared, P_shared, dS_shared, acc, c):
+        # chunk c of dkv^T = Q^T dS + dO^T P into acc; its two products accumulate in flight
+        T.wgmma_gemm(Q_shared[:, c * C:(c + 1) * C], dS_shared, acc, transpose_A=True, clear_accum=True)
+        if c * C < D:
+            T.wgmma_gemm(dO_shared[:, c * C:(c + 1) * C], P_shared, acc, transpose_A=True)
+
+    @T.macro
+    def stage_chunk(acc, stage, scale_f, row_j, bar_k_free, bar_read, bar_staged, kb, c, ahead, tx):
+        # WG1: once chunk c's products are done (``ahead`` groups of the next chunk may still fly; wgmma groups
+        # complete in order), its rows rounded at their scales into the stage, after the sender read the last chunk
+        if c == 0:  # dq's product is the group before chunk 0's two
+            T.wait_wgmma(2 + ahead)
+            T.barrier_arrive(bar_k_free)
+        T.wait_wgmma(ahead)
+        if c > 0:
+            T.barrier_wait(bar_read, read_parity(kb, c, NCH))
+        else:
+            if kb > 0:
+                T.barrier_wait(bar_read, read_parity(kb, c, NCH))
+        for d, j in T.Parallel(C, BI):
+            stage[0, j, d] = T.cast(T.round(acc[d, j] * scale_f[j]), i32)
+        if T.And(tx - 128 < BI, c == 0):
+            stage[0, tx - 128, C] = row_j  # once a block: the sender reads it at chunk 0
+        T.barrier_arrive(bar_staged)
+
     @T.prim_func
     def sparse_mqa_bwd_ws(
         Q: T.Tensor([batch, seq_len, heads, dqk], bf16),
@@ -277,6 +312,8 @@ def build_program(key, trace: bool = False):
             acc_dq0 = T.alloc_fragment([HG, N0], f32)
             acc_dq1 = T.alloc_fragment([HG, N1], f32)
             acc_kvt = T.alloc_fragment([C, BI], f32)  # a dkv^T chunk: M = columns
+            if stored:
+                acc_kvt2 = T.alloc_fragment([C, BI], f32)  # ... and the next one, in flight while one is staged
             scale_f = T.alloc_fragment([BI], f32)  # this block's row scales, in WG1's registers
             stage = T.alloc_shared([1, BI, W], i32)
             scale_shared = T.alloc_shared([BI], f32)
@@ -324,7 +361,7 @@ def build_program(key, trace: bool = False):
                 stamp(stamps, "query_ready")
 
             if tx < 128:
-                T.set_max_nreg(NREG[0], 1)
+                T.set_max_nreg(nreg[0], 1)
                 if not stored:
                     for h in T.Parallel(HG):
                         lse_f[h] = T.if_then_else(h0 + h < heads, Lse2[b_i, s_i, h0 + h], T.infinity(f32))
@@ -406,7 +443,7 @@ def build_program(key, trace: bool = False):
                     if tx == 0:
                         put(stamps, TRACE_SLOTS[:5] + ("smid", "blocks"), lambda k: dQ[b_i, s_i, h0, 4 * k])
             elif tx < 256:
-                T.set_max_nreg(NREG[1], 1)
+                T.set_max_nreg(nreg[1], 1)
                 T.clear(acc_dq1)
                 for kb in T.serial(n_blk):
                     T.barrier_wait(bar_p, kb & 1)
@@ -415,31 +452,28 @@ def build_program(key, trace: bool = False):
                             stamp(stamps, "wg1_first")
                     # dq's share and chunk 0's products go out together; KV is free once the first group is done
                     T.wgmma_gemm(dS_shared, KV_shared[:, N0:dqk], acc_dq1)
+                    if stored:
+                        chunk_products(Q_shared, dO_shared, P_shared, dS_shared, acc_kvt, 0)
                     # this block's rows and scales, read before WG0 may gather the next block
                     if tx - 128 < BI:
                         row_j = idx_shared[tx - 128]
                     for j in T.Parallel(BI):
                         scale_f[j] = scale_shared[j]
                     for c in CHS:  # a Python tuple: the chunks unrolled (a range here would be a TIR loop)
-                        # a chunk's two products accumulate in flight, with one wait for both
-                        T.wgmma_gemm(Q_shared[:, c * C:(c + 1) * C], dS_shared, acc_kvt, transpose_A=True,
-                                     clear_accum=True)
-                        if c * C < D:
-                            T.wgmma_gemm(dO_shared[:, c * C:(c + 1) * C], P_shared, acc_kvt, transpose_A=True)
-                        if c == 0:  # its two products are the last two groups (chunk 0's columns are all < Dv)
-                            T.wait_wgmma(2)
-                            T.barrier_arrive(bar_k_free)
-                        T.wait_wgmma(0)
-                        if c > 0:
-                            T.barrier_wait(bar_read, read_parity(kb, c, NCH))
+                        if not stored:
+                            chunk_products(Q_shared, dO_shared, P_shared, dS_shared, acc_kvt, c)
+                            stage_chunk(acc_kvt, stage, scale_f, row_j, bar_k_free, bar_read, bar_staged,
+                                        kb, c, 0, tx)
+                        elif c % 2 == 0:  # stored: chunk c + 1's products fly while chunk c is staged
+                            if c + 1 < NCH:
+                                chunk_products(Q_shared, dO_shared, P_shared, dS_shared, acc_kvt2, c + 1)
+                            stage_chunk(acc_kvt, stage, scale_f, row_j, bar_k_free, bar_read, bar_staged,
+                                        kb, c, n_products(c + 1), tx)
                         else:
-                            if kb > 0:
-                                T.barrier_wait(bar_read, read_parity(kb, c, NCH))
-                        for d, j in T.Parallel(C, BI):
-                            stage[0, j, d] = T.cast(T.round(acc_kvt[d, j] * scale_f[j]), i32)
-                        if T.And(tx - 128 < BI, c == 0):
-                            stage[0, tx - 128, C] = row_j  # once a block: the sender reads it at chunk 0
-                        T.barrier_arrive(bar_staged)
+                            if c + 1 < NCH:
+                                chunk_products(Q_shared, dO_shared, P_shared, dS_shared, acc_kvt, c + 1)
+                            stage_chunk(acc_kvt2, stage, scale_f, row_j, bar_k_free, bar_read, bar_staged,
+                                        kb, c, n_products(c + 1), tx)
                     T.barrier_arrive(bar_pds_free)
                 if trace:
                     stamp(stamps, "wg1_loop_end")
@@ -451,7 +485,7 @@ def build_program(key, trace: bool = False):
                     if tx == 128:
                         put(stamps, ("wg1_first", "wg1_loop_end", "wg1_end"), lambda k: dQ[b_i, s_i, h0, 4 * k])
             else:
-                T.set_max_nreg(NREG[2], 0)
+                T.set_max_nreg(nreg[2], 0)
                 for kb in T.serial(n_blk):
                     # every address here is in bounds for any kb: TileLang wraps a call in a bounds check when an
                     # address_of index may leave its buffer, and a sender that skipped this call would hang WG1

@@ -58,7 +58,8 @@ def test_only_valid_rows_are_sent(source):
     the sender skips negative rows."""
     body = _body(source)
     assert re.search(r"row_j = \(\(int\*\)idx_shared\)\[", body)
-    assert re.search(r"\(\(int\*\)stage\)\[[^]]+\] = row_j;", body)
+    staged = re.findall(r"\(\(int\*\)stage\)\[[^]]+\] = (row_j\w*);", body)
+    assert staged and all(v == "row_j" or f"int {v} = row_j;" in body for v in staged), staged  # (a macro's copy)
     stores = re.findall(r"if \((.*)\) \{\s*(condval_\d+) = (idx_[nr]\[r_\d+\]);\s*\} else \{\s*\2 = -1;\s*\}"
                         r"\s*\(\(int\*\)idx_shared\)\[[^]]+\] = \2;", body)
     assert len(stores) == 2 == body.count("((int*)idx_shared)[((r_"), \
@@ -140,20 +141,40 @@ def test_sender_waits_by_the_global_chunk_count():
 
 
 @pytest.mark.parametrize("dqk", [576, 512])
-def test_wg1_frees_kv_once_its_dq_product_is_done(dqk):
-    """WG1 issues its dq product (the only one that reads the KV tile) and chunk 0's two products together, frees KV
-    once at most those two are pending (``wait_wgmma<2>``: wgmma groups complete in order), and waits once a chunk
-    for both of its products; a wait of 3 or an arrive before the wait would let WG0 gather over a tile being read."""
+@pytest.mark.parametrize("stored", [False, True], ids=["formed", "stored"])
+def test_wg1_frees_kv_once_its_dq_product_is_done(dqk, stored):
+    """WG1 issues its dq product (the only one that reads the KV tile) and chunk 0's two products together and frees
+    KV once at most those two are pending (wgmma groups complete in order); then a chunk is staged once its products
+    are done. Formed: a chunk's products go out just before its wait (``wait_wgmma<0>``). Stored: chunk c + 1's go
+    out before chunk c's wait, which leaves them pending (``wait_wgmma<n>``, n = chunk c + 1's products), so KV is
+    freed at ``wait_wgmma<4>`` (chunk 1's two pending too). A wait for fewer groups, or an arrive before the wait,
+    would let WG0 gather over a tile being read, or stage a chunk whose products are still in flight."""
     nch = dqk // 64
-    body = _body(backward.kernel_source(bwd_plan.make_plan(1, 64, 128, 64, 64, dqk, 512).key()))
-    loop = body[body.index("bar_p[0].wait((kb_1 & 1));"):body.index("bar_pds_free[0].arrive();")]
+    budget = bwd_plan.DEFAULT_PDS_BUDGET if stored else 0
+    key = bwd_plan.make_plan(1, 64, 128, 64, 64, dqk, 512, pds_budget=budget).key()
+    assert key.stored_pds == stored
+    body = _body(backward.kernel_source(key))
+    start = body.index("bar_p[0].wait((kb_1 & 1));")
+    loop = body[start:body.index("warpgroup_reg_dealloc", start)]  # to the sender's branch
     commits = [m.start() for m in re.finditer(r"tl::warpgroup_commit_batch\(\);", loop)]
     free = loop.index("bar_k_free[0].arrive();")
     assert "KV_shared" in loop[:commits[0]] and "KV_shared" not in loop[commits[0]:], "only the dq product reads KV"
-    assert len([c for c in commits if c < free]) == 3
-    assert re.search(r"tl::wait_wgmma<2>\(\);\s*bar_k_free\[0\]\.arrive\(\);\s*tl::wait_wgmma<0>\(\);", loop)
-    assert loop.count("tl::wait_wgmma<0>();") == nch and "warpgroup_wait" not in loop
-    assert len(commits) == 1 + 2 * nch - (dqk > 512)  # the last chunk of 576 (columns past Dv) has no dO^T P
+    groups = [1] + [2] * (nch - (dqk > 512)) + [1] * (dqk > 512)  # dq's, then each chunk's (576: the last has one)
+    assert len(commits) == sum(groups) and "warpgroup_wait" not in loop
+    # the wait before each chunk's staging (bar_staged's arrive ends each): how many groups it leaves pending
+    staged = [m.start() for m in re.finditer(r"bar_staged\[0\]\.arrive\(\);", loop)]
+    assert len(staged) == nch
+    waits = [int(re.findall(r"tl::wait_wgmma<(\d+)>\(\);", loop[:at])[-1]) for at in staged]
+    ahead = [0] * nch if not stored else [groups[c + 2] if c + 1 < nch else 0 for c in range(nch)]
+    assert waits == ahead, waits
+    for c, at in enumerate(staged):  # and every group of chunk c was committed before that wait
+        done = len([x for x in commits if x < at]) - ahead[c]
+        assert done == sum(groups[:c + 2]), (c, done)
+    release = loop.index("bar_pds_free[0].arrive();")  # P and dS free once the block's last chunk is staged
+    assert loop.count("bar_pds_free[0].arrive();") == 1 and release > staged[-1]
+    before = len([c for c in commits if c < free])
+    assert before == (3 if not stored else 5)
+    assert re.search(rf"tl::wait_wgmma<{before - 1}>\(\);\s*bar_k_free\[0\]\.arrive\(\);", loop)
 
 
 def _unguarded_reductions(src: str) -> list[str]:
@@ -212,8 +233,9 @@ def test_warp_specialised_roles_are_separate(source):
     body = _body(source)
     alloc = re.findall(r"warpgroup_reg_alloc<(\d+)>", body)
     dealloc = re.findall(r"warpgroup_reg_dealloc<(\d+)>", body)
-    assert alloc == [str(n) for n in backward_ws.NREG[:2]] and dealloc == [str(backward_ws.NREG[2])], (alloc, dealloc)
-    assert "__launch_bounds__(384, 1)" in body and sum(backward_ws.NREG) == 3 * 168
+    nreg = backward_ws.NREG_STORED if "smqa_ld16" in body else backward_ws.NREG
+    assert alloc == [str(n) for n in nreg[:2]] and dealloc == [str(nreg[2])], (alloc, dealloc)
+    assert "__launch_bounds__(384, 1)" in body and sum(nreg) == 3 * 168
     offsets = _shared_ranges(source)
     assert {"Q_shared", "dO_shared", "KV_shared", "P_shared", "dS_shared", "stage"} <= set(offsets), offsets
     assert len(set(offsets.values())) == len(offsets), offsets
