@@ -166,3 +166,50 @@ def test_index_patterns_are_the_testkits(pattern, tmp_path):
     assert json.loads(path.read_text())["settings"]["indices"] == pattern
     with pytest.raises(ValueError, match="indices must be one of random, local, hot, got 'causal'"):
         shapes.make_inputs(shape, "cpu", seed=1, indices="causal")
+
+
+def test_rounds_take_turns_abba_and_rotate_each_backends_sets():
+    log = []
+    calls = {n: (lambda k, n=n: log.append((n, k))) for n in ("a", "b")}
+    out = timing.time_rounds(calls, 2, 7, 3, "cpu", settle=1)
+    assert [len(r) for r in out["a"]] == [3, 2, 2] and [len(r) for r in out["b"]] == [3, 2, 2]
+    assert "".join(n for n, _ in log) == "aaaabbbb" + "bbbaaa" + "aaabbb"  # each turn: one untimed call first
+    assert [k for n, k in log if n == "a"] == [0, 1, 0, 1, 0, 1, 0, 1, 0, 1]  # a backend's sets rotate on
+    assert all(t >= 0 for r in out["b"] for t in r)
+
+
+def test_ratio_range_over_rounds_in_the_table():
+    rows = [_row("cudnn", ms=4.0), _row("tilelang", ms=6.0)]
+    rows[0]["ms_rounds"], rows[1]["ms_rounds"] = [4.0, 5.0, 4.0], [6.0, 6.0, 6.4]
+    report.add_ratios(rows)
+    assert rows[1]["vs_cudnn"] == pytest.approx(1.5) and rows[1]["vs_cudnn_rounds"] == pytest.approx([1.2, 1.6])
+    table = report.format_table(rows).splitlines()
+    assert table[2].endswith("| 1.00x | yes |") and table[3].endswith("| 1.50x (1.20-1.60) | yes |")
+    rows = [_row("cudnn", ms=4.0), _row("tilelang", ms=6.0)]
+    rows[0]["ms_rounds"], rows[1]["ms_rounds"] = [4.0], [6.0, 6.0]  # rounds that do not pair up give no range
+    report.add_ratios(rows)
+    assert rows[1]["vs_cudnn"] == pytest.approx(1.5) and rows[1]["vs_cudnn_rounds"] is None
+    assert report.format_table(rows).splitlines()[3].endswith("| 1.50x | yes |")
+
+
+def test_a_backend_that_raises_mid_rounds_is_reported_and_the_others_are_timed():
+    shape = Shape(S=4, Skv=16, H=2, L=8, Dqk=16, Dv=8)
+    inputs = [shapes.make_inputs(shape, "cpu", seed=k) for k in range(2)]
+    primal = [cli.oracle_primal(x) for x in inputs]
+    good = cli._load("reference", "cpu")[0]
+
+    class Flaky:
+        n = 0
+
+        def backward(self, *args, **kw):
+            self.n += 1
+            if self.n > 3:
+                raise RuntimeError("launch failed")
+            return good.backward(*args, **kw)
+
+    rows = cli._time_backwards({"flaky": Flaky(), "reference": good}, shape, {"anchor"}, inputs, primal, 1, 6, 3, 2,
+                               "cpu")
+    assert [r["backend"] for r in rows] == ["flaky", "reference"]
+    assert rows[0]["status"] == "error" and rows[0]["reason"] == "RuntimeError: launch failed"
+    assert rows[1]["status"] == "ok" and rows[1]["runs"] == 6 and len(rows[1]["ms_rounds"]) == 3
+    assert rows[1]["stable"] is True

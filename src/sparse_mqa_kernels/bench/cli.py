@@ -1,7 +1,9 @@
 """``sparse-mqa-bench``: forward and backward backends timed side by side in one process.
 
 Per shape, every backend runs on the same few input sets (rotated, so no run is flattered by warm caches),
-after warm-up, timed with CUDA events (wall clock on CPU); the table reports the median. Backward rows also say
+after warm-up, timed with CUDA events (wall clock on CPU); the table reports the median. With ``--rounds`` the
+backward backends take turns (ABBA, each turn after its own warm-up), so drift over the run weighs on them alike,
+and the ratio to cuDNN comes with its range over the rounds. Backward rows also say
 whether the backend is bitwise stable (the backward repeated on one input set, every output ``torch.equal``)
 and, when not, how far the repeats drift. Backends are registry names (``sparse_mqa_testkit.backends``); one
 that fails to import or load is reported as skipped with the reason.
@@ -27,7 +29,7 @@ from sparse_mqa_testkit.oracle import device as device_oracle
 
 from .report import add_ratios, fmt_status, format_table, plot, pyplot, row
 from .shapes import ANCHOR, ANCHOR_H, ANCHOR_L, INDICES, PRESETS, SWEEP_L, SWEEP_S, make_inputs, plan_shapes, tflops
-from .timing import stability, time_calls
+from .timing import stability, time_calls, time_rounds
 
 
 def oracle_primal(x: dict) -> tuple:
@@ -54,13 +56,17 @@ def _progress(msg: str, quiet: bool) -> None:
 
 
 def run(shapes, *, backward=("cudnn", "tilelang"), forward=("tilelang",), device="cuda", sets=3, warmup=3,
-        iters=20, repeats=3, sink=False, indices="random", quiet=False, checkpoint=None) -> dict:
+        iters=20, rounds=1, repeats=3, sink=False, indices="random", quiet=False, checkpoint=None) -> dict:
     """Time every backend at every shape; returns the JSON-able results (see ``main`` for the CLI).
 
     ``checkpoint(results)`` (optional) gets the results so far after each shape, so a run cut short by a time
     limit still leaves its finished rows.
     """
-    settings = {"sets": sets, "warmup": warmup, "iters": iters, "repeats": repeats, "sink": sink, "indices": indices}
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    rounds = min(rounds, iters)  # a round has at least one call of each backend
+    settings = {"sets": sets, "warmup": warmup, "iters": iters, "rounds": rounds, "repeats": repeats, "sink": sink,
+                "indices": indices}
     fwd = {n: _load(n, device) for n in forward}
     bwd = {n: _load(n, device) for n in backward}
     rows = []
@@ -84,15 +90,18 @@ def run(shapes, *, backward=("cudnn", "tilelang"), forward=("tilelang",), device
         if primal is None:
             source = "device oracle (float64)"
             primal = [oracle_primal(x) for x in inputs]
+        loaded = {}
         for name, (backend, reason) in bwd.items():
-            done += 1
             if backend is None:
+                done += 1
                 rows.append(row("backward", name, shape, groups, status="skipped", reason=reason))
-                continue
-            timed = _time_backward(backend, name, shape, groups, inputs, primal, warmup, iters, repeats, device)
+            else:
+                loaded[name] = backend
+        for timed in _time_backwards(loaded, shape, groups, inputs, primal, warmup, iters, rounds, repeats, device):
+            done += 1
             timed["primal_from"] = source
             rows.append(timed)
-            _progress(f"[{done}/{total}] backward {name:10s} {shape.label}: {fmt_status(timed)}", quiet)
+            _progress(f"[{done}/{total}] backward {timed['backend']:10s} {shape.label}: {fmt_status(timed)}", quiet)
         del inputs, primal
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -131,22 +140,66 @@ def _time_forward(backend, name, shape, groups, inputs, warmup, iters, device):
                tflops=tflops(shape, "forward", ms)), results
 
 
-def _time_backward(backend, name, shape, groups, inputs, primal, warmup, iters, repeats, device):
-    bound = [Call({**x, "out": out, "lse": lse}).for_("backward") for x, (out, lse) in zip(inputs, primal)]
+class _Raised(Exception):
+    """A timed call of backend ``name`` raised (the cause): ``_time_backwards`` reports it and times the rest."""
 
-    def call(k):
-        return backend.backward(*bound[k][0], **bound[k][1])
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
 
-    try:
-        call(0)  # compile / JIT outside the timed runs
-        times = time_calls(call, len(inputs), warmup, iters, device)
-        stable, drift = stability(lambda: call(0), repeats)
-    except Exception as exc:
-        status, reason = _skip_or_error(exc)
-        return row("backward", name, shape, groups, status=status, reason=reason)
-    ms = statistics.median(times)
-    return row("backward", name, shape, groups, ms=ms, ms_min=min(times), runs=len(times),
-               tflops=tflops(shape, "backward", ms), stable=stable, drift=drift)
+
+def _guard(name: str, call):
+    def guarded(k):
+        try:
+            return call(k)
+        except Exception as exc:
+            raise _Raised(name) from exc
+    return guarded
+
+
+def _failed(name, shape, groups, exc) -> dict:
+    status, reason = _skip_or_error(exc)
+    return row("backward", name, shape, groups, status=status, reason=reason)
+
+
+def _time_backwards(loaded: dict, shape, groups, inputs, primal, warmup, iters, rounds, repeats, device) -> list:
+    """One row per backward backend: each is compiled, then all are timed in ABBA rounds, each turn after ``warmup``
+    untimed calls (``timing.time_rounds``), then each one's bitwise stability is checked. A backend that raises is
+    reported as skipped or failed and leaves the others' rounds."""
+    calls, done = {}, {}
+    for name, backend in loaded.items():
+        bound = [Call({**x, "out": out, "lse": lse}).for_("backward") for x, (out, lse) in zip(inputs, primal)]
+
+        def call(k, backend=backend, bound=bound):
+            return backend.backward(*bound[k][0], **bound[k][1])
+
+        try:
+            call(0)  # compile / JIT outside the timed runs
+            calls[name] = call
+        except Exception as exc:
+            done[name] = _failed(name, shape, groups, exc)
+    while calls:
+        try:
+            rounds_ms = time_rounds({n: _guard(n, c) for n, c in calls.items()}, len(inputs), iters, rounds, device,
+                                    settle=warmup)
+            break
+        except _Raised as exc:  # drop the backend that raised, time the rest again
+            done[exc.name] = _failed(exc.name, shape, groups, exc.__cause__)
+            del calls[exc.name]
+    else:
+        rounds_ms = {}
+    for name, ms_rounds in rounds_ms.items():
+        try:
+            stable, drift = stability(lambda: calls[name](0), repeats)
+        except Exception as exc:
+            done[name] = _failed(name, shape, groups, exc)
+            continue
+        times = [t for r in ms_rounds for t in r]
+        ms = statistics.median(times)
+        done[name] = row("backward", name, shape, groups, ms=ms, ms_min=min(times), runs=len(times),
+                         ms_rounds=[statistics.median(r) for r in ms_rounds if r],
+                         tflops=tflops(shape, "backward", ms), stable=stable, drift=drift)
+    return [done[name] for name in loaded]
 
 
 def _device_name(device: str) -> str:
@@ -191,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sets", type=int, default=3, help="input sets rotated over the runs (default 3)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20, help="timed runs per row; the median is reported")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="the backward backends take turns in this many rounds (ABBA order, each turn after --warmup "
+                        "untimed calls), iters split over them; the table then shows the range of the per-round "
+                        "ratios to cuDNN (default 1: each backend timed in one run)")
     p.add_argument("--repeats", type=int, default=3, help="backward repeats for the bitwise-stability column")
     p.add_argument("--sink", action="store_true", help="give every head a finite attn_sink")
     p.add_argument("--indices", choices=INDICES, default="random",
@@ -228,7 +285,7 @@ def main(argv=None) -> int:
                 json.dump({**results, "command": command, "partial": partial}, fh, indent=1)
 
         results = run(shapes, backward=args.backward, forward=args.forward, device=device, sets=args.sets,
-                      warmup=args.warmup, iters=args.iters, repeats=args.repeats, sink=args.sink,
+                      warmup=args.warmup, iters=args.iters, rounds=args.rounds, repeats=args.repeats, sink=args.sink,
                       indices=args.indices, quiet=args.quiet, checkpoint=save)
         save(results, partial=False)
     print(f"{results['device']}, {results['date']}")

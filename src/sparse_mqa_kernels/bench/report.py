@@ -11,16 +11,23 @@ def row(direction, name, shape, groups, **kw) -> dict:
     """One result row: a backend at a shape, its timing or why it has none."""
     return {"direction": direction, "backend": name, "shape": shape.label, "groups": sorted(groups),
             **asdict(shape), "status": "ok", "reason": None, "ms": None, "ms_min": None, "runs": 0,
-            "tflops": None, "vs_cudnn": None, "stable": None, "drift": {}, **kw}
+            "tflops": None, "vs_cudnn": None, "vs_cudnn_rounds": None, "ms_rounds": [], "stable": None, "drift": {},
+            **kw}
 
 
 def add_ratios(rows) -> None:
-    """vs_cudnn = ms / cuDNN's backward ms at the same shape (lower is faster); None without a cuDNN row."""
-    peer = {r["shape"]: r["ms"] for r in rows if r["backend"] == PEER and r["direction"] == "backward"
-            and r["ms"]}
+    """vs_cudnn = ms / cuDNN's backward ms at the same shape (lower is faster); None without a cuDNN row.
+    vs_cudnn_rounds = [lowest, highest] of the same ratio round by round (the backends' per-round medians), where
+    both rows have them."""
+    peer = {r["shape"]: r for r in rows if r["backend"] == PEER and r["direction"] == "backward" and r["ms"]}
     for r in rows:
         if r["ms"] and r["direction"] == "backward" and r["shape"] in peer:
-            r["vs_cudnn"] = r["ms"] / peer[r["shape"]]
+            p = peer[r["shape"]]
+            r["vs_cudnn"] = r["ms"] / p["ms"]
+            mine, theirs = r.get("ms_rounds") or [], p.get("ms_rounds") or []
+            if mine and len(mine) == len(theirs):
+                ratios = [a / b for a, b in zip(mine, theirs)]
+                r["vs_cudnn_rounds"] = [min(ratios), max(ratios)]
 
 
 def _fmt_tflops(v: float) -> str:
@@ -33,6 +40,15 @@ def fmt_status(row) -> str:
     return f"{row['ms']:.3f} ms, {_fmt_tflops(row['tflops'])} TFLOP/s"
 
 
+def _fmt_ratio(row) -> str:
+    if row["vs_cudnn"] is None:
+        return "-"
+    spread = row.get("vs_cudnn_rounds")
+    if not spread or row["backend"] == PEER:
+        return f"{row['vs_cudnn']:.2f}x"
+    return f"{row['vs_cudnn']:.2f}x ({spread[0]:.2f}-{spread[1]:.2f})"
+
+
 def _fmt_stable(row) -> str:
     if row["stable"] is None:
         return "-"
@@ -42,7 +58,8 @@ def _fmt_stable(row) -> str:
 
 
 def format_table(rows) -> str:
-    """A Markdown table: direction, backend, shape, ms (median), TFLOP/s, vs cuDNN, bitwise stable."""
+    """A Markdown table: direction, backend, shape, ms (median), TFLOP/s, vs cuDNN (with the range of the
+    per-round ratios), bitwise stable."""
     head = ["dir", "backend", "shape", "ms", "TFLOP/s", "vs cuDNN", "bitwise stable"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
@@ -50,7 +67,7 @@ def format_table(rows) -> str:
             cells = [r["direction"], r["backend"], r["shape"], r["status"], "-", "-", r["reason"] or "-"]
         else:
             cells = [r["direction"], r["backend"], r["shape"], f"{r['ms']:.3f}", _fmt_tflops(r["tflops"]),
-                     "-" if r["vs_cudnn"] is None else f"{r['vs_cudnn']:.2f}x", _fmt_stable(r)]
+                     _fmt_ratio(r), _fmt_stable(r)]
         lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 

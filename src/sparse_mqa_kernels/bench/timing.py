@@ -34,6 +34,32 @@ def time_calls(call, n_sets: int, warmup: int, iters: int, device) -> list[float
     return times
 
 
+def time_rounds(calls: dict, n_sets: int, iters: int, rounds: int, device, settle: int = 0) -> dict:
+    """Milliseconds of each ``calls[name](k)`` by rounds: {name: [[ms of round 0], [ms of round 1], ...]}.
+
+    The backends take turns, in ABBA order (round r runs them forwards when r is even, backwards when odd), each
+    turn ``settle`` untimed calls and then ``iters // rounds`` timed ones (the first ``iters % rounds`` rounds one
+    more); k rotates over the input sets, each backend's calls in turn. Slow drift over the run then weighs on every
+    backend alike. The untimed calls matter on a GPU: a backend timed right after another is not in its own steady
+    state (BENCHMARKS.md, 2026-12-03 16:15 UTC: ours 4 % slower right after cuDNN's calls, cuDNN 3 % faster right
+    after ours). One round is each backend timed in one run after its warm-up.
+    """
+    names = list(calls)
+    out = {n: [] for n in names}
+    seen = dict.fromkeys(names, 0)
+    for r in range(rounds):
+        n = iters // rounds + (r < iters % rounds)
+        for name in names if r % 2 == 0 else names[::-1]:
+            f = calls[name]
+            for _ in range(settle):
+                f(seen[name] % n_sets)
+                seen[name] += 1
+            at = seen[name]
+            out[name].append(time_calls(lambda k, f=f, at=at: f((at + k) % n_sets), n_sets, 0, n, device))
+            seen[name] += n
+    return out
+
+
 def stability(call, repeats: int, names=("dq", "dkv", "d_sink")) -> tuple[bool, dict]:
     """Repeat ``call()`` and compare every output with the first by ``torch.equal``.
 
