@@ -11,7 +11,7 @@ shape, with a sender added):
   rounds each chunk to int32 at its KV row's scale (``bwd_rows``: 2**F_j, from the bound pass) and stages it (its
   dq product goes out with chunk 0's two, and KV is freed once that one is done; a chunk's two products share one
   wait); in the ``stored_pds`` variant, whose WG0 needs fewer registers, WG1 holds two chunks and issues chunk
-  c + 1's products before it stages chunk c (``stage_chunk``);
+  c + 1's products before it stages chunk c (``stage_chunk``), and frees P and dS before it stages the last;
 - WG2 sends the staged rows with ``red.relaxed.gpu.global.add.u32`` (``smqa_send_block``): integer adds, so the sum
   is exact and order-free; a row no valid slot backs is never sent.
 
@@ -259,13 +259,15 @@ def build_program(key, trace: bool = False):
             T.wgmma_gemm(dO_shared[:, c * C:(c + 1) * C], P_shared, acc, transpose_A=True)
 
     @T.macro
-    def stage_chunk(acc, stage, scale_f, row_j, bar_k_free, bar_read, bar_staged, kb, c, ahead, tx):
+    def stage_chunk(acc, stage, scale_f, row_j, bar_k_free, bar_pds_free, bar_read, bar_staged, kb, c, ahead, tx):
         # WG1: once chunk c's products are done (``ahead`` groups of the next chunk may still fly; wgmma groups
         # complete in order), its rows rounded at their scales into the stage, after the sender read the last chunk
         if c == 0:  # dq's product is the group before chunk 0's two
             T.wait_wgmma(2 + ahead)
             T.barrier_arrive(bar_k_free)
         T.wait_wgmma(ahead)
+        if stored and c == NCH - 1:  # the block's last product is done: WG0 may write the next P and dS
+            T.barrier_arrive(bar_pds_free)
         if c > 0:
             T.barrier_wait(bar_read, read_parity(kb, c, NCH))
         else:
@@ -462,19 +464,20 @@ def build_program(key, trace: bool = False):
                     for c in CHS:  # a Python tuple: the chunks unrolled (a range here would be a TIR loop)
                         if not stored:
                             chunk_products(Q_shared, dO_shared, P_shared, dS_shared, acc_kvt, c)
-                            stage_chunk(acc_kvt, stage, scale_f, row_j, bar_k_free, bar_read, bar_staged,
+                            stage_chunk(acc_kvt, stage, scale_f, row_j, bar_k_free, bar_pds_free, bar_read, bar_staged,
                                         kb, c, 0, tx)
                         elif c % 2 == 0:  # stored: chunk c + 1's products fly while chunk c is staged
                             if c + 1 < NCH:
                                 chunk_products(Q_shared, dO_shared, P_shared, dS_shared, acc_kvt2, c + 1)
-                            stage_chunk(acc_kvt, stage, scale_f, row_j, bar_k_free, bar_read, bar_staged,
+                            stage_chunk(acc_kvt, stage, scale_f, row_j, bar_k_free, bar_pds_free, bar_read, bar_staged,
                                         kb, c, n_products(c + 1), tx)
                         else:
                             if c + 1 < NCH:
                                 chunk_products(Q_shared, dO_shared, P_shared, dS_shared, acc_kvt, c + 1)
-                            stage_chunk(acc_kvt2, stage, scale_f, row_j, bar_k_free, bar_read, bar_staged,
+                            stage_chunk(acc_kvt2, stage, scale_f, row_j, bar_k_free, bar_pds_free, bar_read, bar_staged,
                                         kb, c, n_products(c + 1), tx)
-                    T.barrier_arrive(bar_pds_free)
+                    if not stored:
+                        T.barrier_arrive(bar_pds_free)
                 if trace:
                     stamp(stamps, "wg1_loop_end")
                 for h, d in T.Parallel(HG, N1):

@@ -147,8 +147,9 @@ def test_wg1_frees_kv_once_its_dq_product_is_done(dqk, stored):
     KV once at most those two are pending (wgmma groups complete in order); then a chunk is staged once its products
     are done. Formed: a chunk's products go out just before its wait (``wait_wgmma<0>``). Stored: chunk c + 1's go
     out before chunk c's wait, which leaves them pending (``wait_wgmma<n>``, n = chunk c + 1's products), so KV is
-    freed at ``wait_wgmma<4>`` (chunk 1's two pending too). A wait for fewer groups, or an arrive before the wait,
-    would let WG0 gather over a tile being read, or stage a chunk whose products are still in flight."""
+    freed at ``wait_wgmma<4>`` (chunk 1's two pending too), and P and dS once the last chunk's products are done,
+    before it is staged. A wait for fewer groups, or an arrive before the wait, would let WG0 gather over a tile or
+    write P and dS over those being read, or stage a chunk whose products are still in flight."""
     nch = dqk // 64
     budget = bwd_plan.DEFAULT_PDS_BUDGET if stored else 0
     key = bwd_plan.make_plan(1, 64, 128, 64, 64, dqk, 512, pds_budget=budget).key()
@@ -170,8 +171,11 @@ def test_wg1_frees_kv_once_its_dq_product_is_done(dqk, stored):
     for c, at in enumerate(staged):  # and every group of chunk c was committed before that wait
         done = len([x for x in commits if x < at]) - ahead[c]
         assert done == sum(groups[:c + 2]), (c, done)
-    release = loop.index("bar_pds_free[0].arrive();")  # P and dS free once the block's last chunk is staged
-    assert loop.count("bar_pds_free[0].arrive();") == 1 and release > staged[-1]
+    # P and dS are free once the block's last product is done: formed after the last staging, stored before it
+    release = loop.index("bar_pds_free[0].arrive();")
+    assert loop.count("bar_pds_free[0].arrive();") == 1 and release > commits[-1]
+    assert (release < staged[-1]) == stored and release > staged[-2]
+    assert re.search(r"tl::wait_wgmma<0>\(\);\s*bar_pds_free\[0\]\.arrive\(\);", loop[staged[-2]:]) or not stored
     before = len([c for c in commits if c < free])
     assert before == (3 if not stored else 5)
     assert re.search(rf"tl::wait_wgmma<{before - 1}>\(\);\s*bar_k_free\[0\]\.arrive\(\);", loop)
