@@ -190,6 +190,10 @@ def test_ratio_range_over_rounds_in_the_table():
     report.add_ratios(rows)
     assert rows[1]["vs_cudnn"] == pytest.approx(1.5) and rows[1]["vs_cudnn_rounds"] is None
     assert report.format_table(rows).splitlines()[3].endswith("| 1.50x | yes |")
+    rows = [_row("cudnn", ms=4.0), _row("tilelang", ms=6.0)]
+    rows[0]["ms_rounds"], rows[1]["ms_rounds"] = [4.0], [6.0]  # one round (the default): no range to show
+    report.add_ratios(rows)
+    assert rows[1]["vs_cudnn_rounds"] is None
 
 
 def test_a_backend_that_raises_mid_rounds_is_reported_and_the_others_are_timed():
