@@ -183,6 +183,7 @@ def test_ratio_range_over_rounds_in_the_table():
     rows[0]["ms_rounds"], rows[1]["ms_rounds"] = [4.0, 5.0, 4.0], [6.0, 6.0, 6.4]
     report.add_ratios(rows)
     assert rows[1]["vs_cudnn"] == pytest.approx(1.5) and rows[1]["vs_cudnn_rounds"] == pytest.approx([1.2, 1.6])
+    assert rows[0]["vs_cudnn"] == 1.0 and rows[0]["vs_cudnn_rounds"] is None
     table = report.format_table(rows).splitlines()
     assert table[2].endswith("| 1.00x | yes |") and table[3].endswith("| 1.50x (1.20-1.60) | yes |")
     rows = [_row("cudnn", ms=4.0), _row("tilelang", ms=6.0)]

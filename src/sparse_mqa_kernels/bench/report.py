@@ -18,14 +18,14 @@ def row(direction, name, shape, groups, **kw) -> dict:
 def add_ratios(rows) -> None:
     """vs_cudnn = ms / cuDNN's backward ms at the same shape (lower is faster); None without a cuDNN row.
     vs_cudnn_rounds = [lowest, highest] of the same ratio round by round (the backends' per-round medians), where
-    both rows have the same rounds, more than one."""
+    both rows have the same rounds, more than one (None on cuDNN's own row)."""
     peer = {r["shape"]: r for r in rows if r["backend"] == PEER and r["direction"] == "backward" and r["ms"]}
     for r in rows:
         if r["ms"] and r["direction"] == "backward" and r["shape"] in peer:
             p = peer[r["shape"]]
             r["vs_cudnn"] = r["ms"] / p["ms"]
             mine, theirs = r.get("ms_rounds") or [], p.get("ms_rounds") or []
-            if len(mine) > 1 and len(mine) == len(theirs):
+            if r is not p and len(mine) > 1 and len(mine) == len(theirs):
                 ratios = [a / b for a, b in zip(mine, theirs)]
                 r["vs_cudnn_rounds"] = [min(ratios), max(ratios)]
 
@@ -44,7 +44,7 @@ def _fmt_ratio(row) -> str:
     if row["vs_cudnn"] is None:
         return "-"
     spread = row.get("vs_cudnn_rounds")
-    if not spread or row["backend"] == PEER:
+    if not spread:
         return f"{row['vs_cudnn']:.2f}x"
     return f"{row['vs_cudnn']:.2f}x ({spread[0]:.2f}-{spread[1]:.2f})"
 
