@@ -1,11 +1,11 @@
 """Probe (issue 26): design (a)'s earlier pieces, kept beside the ``tilelang`` backend's for comparison: its prep pass
 (``prepw``), its bound passes (``lean4``: |dP| <= |dO_h| |V_j|, one product; ``exact``: dP itself, with ``vnorms``,
 ``qvmax`` and ``scales1`` for its fixed point), its row scales (``scales``), and (``--pipeline``) the whole design
-timed as one call beside the int64 backward and cuDNN's. The octave bound pass, its row scales, the conversion and
-the main kernel (``octave``, ``scaleso``, ``convert``, ``probe_wide_backward.py``'s ``48/ws``) are
-``sparse_mqa_kernels``' own (``bwd_rows``, ``backward_ws``).
+timed as one call beside the int64 backward and cuDNN's. The conversion and the main kernel (``convert``,
+``probe_wide_backward.py``'s ``48/ws``) are ``sparse_mqa_kernels``' own (``bwd_rows``, ``backward_ws``); the backend's
+own bound pass is timed and traced by ``ab_kernels.py bound`` and ``trace_backward.py``.
 
-    PYTHONUNBUFFERED=1 python benchmarks/probe_split_backward.py --bound [--kernels lean4,exact,octave] [anchor ...]
+    PYTHONUNBUFFERED=1 python benchmarks/probe_split_backward.py --bound [--kernels lean4,exact] [anchor ...]
     python benchmarks/probe_split_backward.py --pipeline [--cudnn] [--pipe-main 48/ws] [--pipe-tail kernels]
     python benchmarks/probe_split_backward.py --bound   # no GPU: compile the kernels for sm_90a only
 
@@ -318,9 +318,6 @@ def build_bound_exact(BI=64, dqk=576, dv=512):
     return bound_exact
 
 
-OCTAVES = bwd_plan.OCTAVES
-
-
 def build_vnorms(dqk=576, dv=512, WPB=8):
     """``vnorms``: |V_j| (float32) of every KV row, one warp a row (16-byte loads, the warp's butterfly)."""
     import tilelang.language as T
@@ -552,13 +549,6 @@ def prep_w(kp, t, exact=None):
     return delta, C, Gm, lse2, exact_fixed_point(sums, vmax)
 
 
-def octave_bounds(hist):
-    """float64 [B, Skv]: each row's bound from ``octave``'s counts, as ``scaleso`` forms it (inf where a term was)."""
-    w = torch.exp2(torch.arange(OCTAVES - 1, device=hist.device, dtype=torch.float64) - 126)
-    b = (hist[..., 1:].double() * w).sum(-1)
-    return torch.where(hist[..., -1] > 0, torch.full_like(b, float("inf")), b)
-
-
 def exact_fixed_point(sums, vmax):
     """float32 [1]: 2**(62 - ceil(log2 G)) for G = sum over queries of VMax_i sum_h A_h + sum_h B_h, which bounds
     the sum of every slot's dP-exact bound (|dP_h| <= |dO_h| |V_j| <= |dO_h| VMax_i; each query's P sums to 1 at
@@ -589,7 +579,6 @@ BUILDERS = {
     "vnorms": lambda dqk, dv: build_vnorms(dqk, dv), "qvmax": lambda dqk, dv: build_qvmax(),
     "scales1": lambda dqk, dv: build_scales1(),
     # the tilelang backend's own
-    "octave": lambda dqk, dv: bwd_rows.build_bound(dqk, dv), "scaleso": lambda dqk, dv: bwd_rows.build_scales(),
     "convert": lambda dqk, dv: bwd_rows.build_convert(dqk),
 }
 
@@ -626,7 +615,7 @@ def main(argv=None):
                    "and their per-row bounds against today's exact dkv")
     p.add_argument("--sweep", default="", help="--bound: each kernel also timed at these valid slots a query "
                    "(probe_wide_backward.py's --sweep)")
-    p.add_argument("--kernels", default="lean4", help="--bound's kernels: lean4, exact, octave")
+    p.add_argument("--kernels", default="lean4", help="--bound's kernels: lean4, exact")
     p.add_argument("--pipeline", action="store_true", help="design (a) end to end (prep, bound pass, main kernel, "
                    "conversion) beside today's call")
     p.add_argument("--pipe-tail", default="kernels", choices=("torch", "kernels"), help="--pipeline's row scales and "
@@ -640,7 +629,7 @@ def main(argv=None):
     if not (a.bound or a.pipeline):
         p.error("choose --bound or --pipeline")
     names = ["prepw", *a.kernels.split(",")]
-    names += ["vnorms", "qvmax"] if "exact" in names else []  # (octave needs neither)
+    names += ["vnorms", "qvmax"] if "exact" in names else []
     kbs = {m: compiled(m) for m in names} if a.bound else {}
     if a.pipeline:
         exact = (tuple(compiled(k) for k in ("vnorms", "qvmax", "scales1")) if a.pipe_bound == "exact"
@@ -684,14 +673,8 @@ def bound_only(kbs, t, name, a):
         row_u = torch.zeros(B, t.Skv, dtype=torch.int64, device="cuda")
         row_w = torch.zeros_like(row_u)
 
-        if mode == "octave":
-            hist = torch.zeros(B, t.Skv, OCTAVES, dtype=torch.int32, device="cuda")
-            delta_o = torch.empty_like(delta)
-
         def call():
-            if mode == "octave":
-                k(t.q, t.out, t.go, t.kv, t.idx, t.tl, lse2, t.rows, delta_o, hist, t.sm)
-            elif mode == "lean4":
+            if mode == "lean4":
                 k(t.q, t.kv, t.idx, t.tl, lse2, A, Bc, t.rows, ex, row_u, row_w, t.sm)
             else:
                 k(t.q, t.go, t.kv, t.idx, t.tl, lse2, delta, C, Gm, t.rows, ex1, row_u, t.sm)
@@ -700,24 +683,16 @@ def bound_only(kbs, t, name, a):
             WIDE.sweep(mode, call, t, [int(n) for n in a.sweep.split(",")], 64, a.iters)
         row_u.zero_()
         row_w.zero_()
-        if mode == "octave":
-            hist.zero_()
         call()
         bj = bounds[mode] = (row_scales_uw(row_u, row_w, ex, vnorm)[1] if mode == "lean4"
-                             else octave_bounds(hist) if mode == "octave"
                              else row_u.double() / ex1.double())
-        if mode == "octave":
-            print(f"  octave's Delta bitwise prepw's: {torch.equal(delta_o, delta)}", flush=True)
         gap = torch.log2(bj[named] / rmax[named])
         q = torch.quantile(gap.float(), torch.tensor([0.5, 0.99], device="cuda"))
         print(f"  {mode}: {ms:.3f} ms; log2(B_j / max|dkv_j|) min {gap.min().item():.2f} median {q[0].item():.2f} "
               f"p99 {q[1].item():.2f} max {gap.max().item():.2f} over {int(named.sum())} named rows", flush=True)
-    for mine, theirs, why in (("exact", "lean4", "dP itself against |dO_h| |V_j|"),
-                              ("octave", "exact", "each term up to a power of two")):
-        if mine in bounds and theirs in bounds:
-            r = torch.log2(bounds[mine][named] / bounds[theirs][named])
-            print(f"  {mine} against {theirs} ({why}): log2 ratio {r.min().item():.4f} .. {r.max().item():.4f}",
-                  flush=True)
+    if "exact" in bounds and "lean4" in bounds:  # dP itself against |dO_h| |V_j|
+        r = torch.log2(bounds["exact"][named] / bounds["lean4"][named])
+        print(f"  exact against lean4: log2 ratio {r.min().item():.4f} .. {r.max().item():.4f}", flush=True)
 
 
 def pipeline(kp, kl, ks, tail, exact, t, name, a):
