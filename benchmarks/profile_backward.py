@@ -21,15 +21,21 @@ from sparse_mqa_kernels.bench.shapes import INDICES, PRESETS, make_inputs
 from sparse_mqa_testkit.calls import Call
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backward", default="cudnn,tilelang", help="backends, comma-separated, profiled in this order")
+def case_parser(description: str, order: str = "") -> argparse.ArgumentParser:
+    """The options that name the backends and one case: --backward, --preset, --sink, --indices (also the sustained
+    probe's, ``sustained_backward.py``)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--backward", default="cudnn,tilelang", help="backends, comma-separated" + order)
     p.add_argument("--preset", default="anchor", choices=sorted(PRESETS))
     p.add_argument("--sink", action="store_true", help="give every head a finite attn_sink")
     p.add_argument("--indices", choices=INDICES, default="random")
-    args = p.parse_args(argv)
-    shape = PRESETS[args.preset]
-    x = make_inputs(shape, "cuda", seed=0, sink=args.sink, indices=args.indices)
+    return p
+
+
+def backward_args(args, seed: int = 0) -> tuple:
+    """(positional, keywords) of a backward call on the case ``args`` names, input set ``seed`` (the bench's sets),
+    ``out`` and ``lse`` from our forward, or from the device oracle where it does not load."""
+    x = make_inputs(PRESETS[args.preset], "cuda", seed=seed, sink=args.sink, indices=args.indices)
     fwd, reason = _load("tilelang", "cuda")
     if fwd is not None:
         f_args, f_kw = Call(x).for_("forward")
@@ -37,7 +43,13 @@ def main(argv=None) -> int:
     else:
         print(f"forward from the device oracle (tilelang: {reason})", file=sys.stderr)
         out, lse = oracle_primal(x)
-    args_, kw = Call({**x, "out": out, "lse": lse}).for_("backward")
+    return Call({**x, "out": out, "lse": lse}).for_("backward")
+
+
+def main(argv=None) -> int:
+    args = case_parser(__doc__.splitlines()[0], ", profiled in this order").parse_args(argv)
+    shape = PRESETS[args.preset]
+    args_, kw = backward_args(args)
     for name in args.backward.split(","):
         backend, reason = _load(name, "cuda")
         if backend is None:

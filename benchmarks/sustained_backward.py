@@ -13,8 +13,9 @@ sustained rate, wherever the backend's power draw puts it.
 
 from __future__ import annotations
 
-import argparse
 import datetime
+import importlib.util
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -92,34 +93,29 @@ def _run(call, n: int, sets: int, at: int):
     return [a.elapsed_time(b) for a, b in events], t0, datetime.datetime.now()
 
 
+def _sibling(name: str):
+    """A script beside this file, by path (the benchmarks folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name(f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main(argv=None) -> int:
     import torch
 
-    from sparse_mqa_kernels.bench.cli import _load, oracle_primal
-    from sparse_mqa_kernels.bench.shapes import INDICES, PRESETS, make_inputs
-    from sparse_mqa_testkit.calls import Call
+    from sparse_mqa_kernels.bench.cli import _load
+    from sparse_mqa_kernels.bench.shapes import PRESETS
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backward", default="cudnn,tilelang", help="backends, comma-separated")
-    p.add_argument("--preset", default="anchor", choices=sorted(PRESETS))
-    p.add_argument("--sink", action="store_true", help="give every head a finite attn_sink")
-    p.add_argument("--indices", choices=INDICES, default="random")
+    profile = _sibling("profile_backward")  # the case options and the backward's inputs, as it forms them
+    p = profile.case_parser(__doc__.splitlines()[0])
     p.add_argument("--sets", type=int, default=3, help="input sets, rotated call by call")
     p.add_argument("--seconds", type=float, default=2.0, help="about how long each run keeps the GPU busy")
     p.add_argument("--idle", type=float, default=2.0, help="seconds the GPU idles before each run")
     p.add_argument("--rounds", type=int, default=2, help="runs of each backend, in ABBA order")
     args = p.parse_args(argv)
     shape = PRESETS[args.preset]
-    fwd, _ = _load("tilelang", "cuda")
-    bound = []
-    for s in range(args.sets):
-        x = make_inputs(shape, "cuda", seed=s, sink=args.sink, indices=args.indices)
-        if fwd is not None:
-            f_args, f_kw = Call(x).for_("forward")
-            out, lse = fwd.forward(*f_args, **f_kw)
-        else:
-            out, lse = oracle_primal(x)
-        bound.append(Call({**x, "out": out, "lse": lse}).for_("backward"))
+    bound = [profile.backward_args(args, seed=s) for s in range(args.sets)]
     calls, per_call = {}, {}
     for name in args.backward.split(","):
         backend, reason = _load(name, "cuda")
