@@ -15,6 +15,9 @@ shape, with a sender added):
 - WG2 sends the staged rows with ``red.relaxed.gpu.global.add.u32`` (``smqa_send_block``): integer adds, so the sum
   is exact and order-free; a row no valid slot backs is never sent.
 
+WG0 and WG1 store their dq columns once, after the loop, 16 bytes of a row a thread (``smqa_store_rows``): the last
+thing a thread block does, into an SMs-to-L2 port the sender keeps busy, so whole sectors count.
+
 WG0 reads the next block's indices while this block's copies fly and their scales after its products; q and dO come
 by TMA (``query_tiles``), and WG0's first block flies with them. Hand-overs are mbarriers: q (q and dO), k_ready /
 k_free (the KV tile), p (P and dS in shared memory), pds_free (WG1 is done reading them), staged / read (a chunk of
@@ -54,6 +57,43 @@ __device__ __forceinline__ void smqa_ld16(void* dst, const void* base, long long
   int4 v = make_int4(0, 0, 0, 0);
   if (ok) v = *reinterpret_cast<const int4*>(static_cast<const unsigned short*>(base) + off);
   *reinterpret_cast<int4*>(dst) = v;
+}
+// a warpgroup's [64 x N] float32 wgmma accumulator (thread t: rows 16 w + lane / 4 and 8 more, columns
+// 8 k + 2 (lane % 4) + e at acc[4 k + 2 r + e]) out as bf16 rows dst + row * ld, for rows r0 <= row < nrows. Each
+// quad's 4 x 4 words (bf16 pairs) of four column groups are transposed by two shuffle stages, so that a thread stores
+// 16 consecutive bytes of one row and a quad 64: whole 32-byte sectors, where the fragment's own 4-byte stores fill
+// half of each. dst comes const: TileLang declares a buffer the kernel writes only through calls like this one
+// read-only
+template <int N>
+__device__ __forceinline__ void smqa_store_rows(const float* acc, const void* dst, int ld, int r0, int nrows, int t) {
+  int w = t >> 5, lane = t & 31, q = lane & 3;
+  unsigned short* d = static_cast<unsigned short*>(const_cast<void*>(dst));
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    int row = 16 * w + (lane >> 2) + 8 * r;
+    #pragma unroll
+    for (int m = 0; m < N / 32; ++m) {
+      unsigned int v[4];  // v[i]: this thread's pair of columns 8 (4 m + i) + 2 q
+      #pragma unroll
+      for (int i = 0; i < 4; ++i)  // the even column in the low half (the prelude sits before the bf16 headers)
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v[i]) : "f"(acc[4 * (4 * m + i) + 2 * r + 1]),
+            "f"(acc[4 * (4 * m + i) + 2 * r]));
+      #pragma unroll
+      for (int s = 1; s <= 2; s <<= 1) {  // v[i] of lane q ^ s for the slots whose bit s differs from q's
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (i & s) continue;
+          unsigned int give = (q & s) ? v[i] : v[i | s];
+          unsigned int got = __shfl_xor_sync(0xffffffffu, give, s);
+          if (q & s) v[i] = got; else v[i | s] = got;
+        }
+      }
+      // now v[j] is pair j of column group 4 m + q: columns 8 (4 m + q) .. + 7
+      if (row >= r0 && row < nrows)
+        *reinterpret_cast<int4*>(d + static_cast<long long>(row) * ld + 8 * (4 * m + q)) =
+            make_int4(static_cast<int>(v[0]), static_cast<int>(v[1]), static_cast<int>(v[2]), static_cast<int>(v[3]));
+    }
+  }
 }
 __device__ __forceinline__ void smqa_mbar_arrive(void* bar) {
   unsigned int b = static_cast<unsigned int>(__cvta_generic_to_shared(bar));
@@ -247,6 +287,12 @@ def build_program(key, trace: bool = False):
                 scale_shared[r * ROWS_PER_PASS + p // 8] = T.if_then_else(
                     valid(r * ROWS_PER_PASS + p // 8, idx_n[r], n_valid, seq_kv), sc_n[r], 0.0)
 
+    @T.macro
+    def store_rows(acc, n, dQ, b_i, s_i, h0, col, heads, tx):
+        # a warpgroup's dq columns [col, col + n) of the group's real heads (a traced build's stamps hold head 0's row)
+        T.call_extern("handle", f"smqa_store_rows<{n}>", acc.data, T.address_of(dQ[b_i, s_i, h0, col]), dqk,
+                      1 if trace else 0, T.min(heads - h0, HG), tx % 128)
+
     def n_products(c):
         # wgmma groups of chunk c (each product is one): dO^T P only where the chunk's columns are V's
         return 0 if c >= NCH else (2 if c * C < D else 1)
@@ -437,9 +483,7 @@ def build_program(key, trace: bool = False):
                     T.barrier_arrive(bar_k_free)
                 if trace:
                     stamp(stamps, "wg0_loop_end")
-                for h, d in T.Parallel(HG, N0):
-                    if T.And(h0 + h < heads, T.Or(not trace, h > 0)):
-                        dQ[b_i, s_i, h0 + h, d] = T.cast(acc_dq0[h, d], bf16)
+                store_rows(acc_dq0, N0, dQ, b_i, s_i, h0, 0, heads, tx)
                 if trace:
                     stamp_end(stamps, "wg0_end", n_blk)
                     if tx == 0:
@@ -480,9 +524,7 @@ def build_program(key, trace: bool = False):
                         T.barrier_arrive(bar_pds_free)
                 if trace:
                     stamp(stamps, "wg1_loop_end")
-                for h, d in T.Parallel(HG, N1):
-                    if T.And(h0 + h < heads, T.Or(not trace, h > 0)):
-                        dQ[b_i, s_i, h0 + h, N0 + d] = T.cast(acc_dq1[h, d], bf16)
+                store_rows(acc_dq1, N1, dQ, b_i, s_i, h0, N0, heads, tx)
                 if trace:
                     stamp(stamps, "wg1_end")
                     if tx == 128:

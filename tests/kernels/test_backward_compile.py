@@ -49,7 +49,26 @@ def test_dkv_reduction_is_integer_only(source):
     assert set(re.findall(r"\b(?:red|atom)\.[\w.]+", source)) == {"red.relaxed.gpu.global.add.u32"}
     assert "cp.reduce.async.bulk" not in source
     helpers = set(re.findall(r"((?:sparse_mqa|smqa)_\w+)[(<]", _body(source))) - {"sparse_mqa_bwd_ws_kernel"}
-    assert helpers - {"smqa_ld16"} == {"smqa_send_block"}, helpers  # and the stored P and dS loads
+    # the sender's reds, dq's stores and the stored P and dS loads
+    assert helpers - {"smqa_ld16"} == {"smqa_send_block", "smqa_store_rows"}, helpers
+
+
+def test_dq_leaves_as_whole_sectors_of_the_real_heads(source):
+    """dq goes out only through ``smqa_store_rows``: WG0's columns [0, N0) and WG1's [N0, Dqk), every row below the
+    group's real head count (none skipped: only a traced build's stamps keep head 0's row), each quad's fragment
+    words transposed by shuffles so that a thread stores 16 consecutive bytes of one row."""
+    from sparse_mqa_kernels import backward_ws
+
+    body = _body(source)
+    calls = re.findall(r"smqa_store_rows<(\d+)>\((acc_dq[01]), \(&\(dQ\[(.*?)\]\)\), 576, (\d), "
+                       r"min\(\(heads - \(\(\(int\)blockIdx\.z\) \* 64\)\), 64\), ", body)
+    n0, n1 = str(backward_ws.N0), str(576 - backward_ws.N0)
+    assert [(n, acc, r0) for n, acc, _, r0 in calls] == [(n0, "acc_dq0", "0"), (n1, "acc_dq1", "0")], calls
+    assert not calls[0][2].endswith(f"(int64_t){n0})") and calls[1][2].endswith(f"+ (int64_t){n0})")
+    assert "dQ +" not in body and not re.search(r"dQ\[[^]]*\] =", body), "dq stored elsewhere too"
+    helper = source[source.index("void smqa_store_rows("):source.index("void smqa_mbar_arrive(")]
+    assert helper.count("__shfl_xor_sync(0xffffffffu, give, s)") == 1 and "if (row >= r0 && row < nrows)" in helper
+    assert "*reinterpret_cast<int4*>(d + static_cast<long long>(row) * ld + 8 * (4 * m + q))" in helper
 
 
 def test_only_valid_rows_are_sent(source):
