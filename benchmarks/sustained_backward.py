@@ -7,8 +7,8 @@ backward back to back for about ``--seconds`` (one CUDA event pair a call, input
 ``sparse-mqa-bench`` rotates them), while ``nvidia-smi`` samples the SM clock, power and clock-event reasons every
 20 ms. For each run it prints the median of the first calls (the GPU as it left the idle pause), of the calls after
 them, and of the run's last half, the best call, each input set's median, and the clock and power samples in the
-run's window. The bench's median of a few dozen calls after a short warm-up sits between the first calls and the
-sustained rate, wherever the backend's power draw puts it.
+run's window. On an H200 both backends draw the GPU's power cap and it takes hold within the first five calls, so the
+bench's medians (a few warm-up calls, then 20 or more timed) are the sustained rate (BENCHMARKS.md, 2026-12-03).
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ import time
 
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,{}.active"
 SMI_REASONS = ("clocks_event_reasons", "clocks_throttle_reasons")  # the newer driver's name, then the older one's
+HEAD = 5  # a run's first calls, told apart from the rest
 
 
-def summarize(times: list[float], sets: int, head: int = 5) -> dict:
+def summarize(times: list[float], sets: int, head: int = HEAD) -> dict:
     """A run's per-call milliseconds (call k on input set k % sets) as medians: the first ``head`` calls, the calls
     after them, the last half; the best call; each set's median."""
     if len(times) <= head:
@@ -79,7 +80,7 @@ def _sampler():
     return None
 
 
-def _run(call, n: int, sets: int, at: int):
+def _run(call, n: int, sets: int):
     import torch
 
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
@@ -87,7 +88,7 @@ def _run(call, n: int, sets: int, at: int):
     t0 = datetime.datetime.now()
     for k, (a, b) in enumerate(events):
         a.record()
-        call((at + k) % sets)
+        call(k % sets)
         b.record()
     torch.cuda.synchronize()
     return [a.elapsed_time(b) for a, b in events], t0, datetime.datetime.now()
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
             print(f"{name}: skipped ({reason})", file=sys.stderr)
             continue
         calls[name] = lambda k, b=backend: b.backward(*bound[k][0], **bound[k][1])
-        times, _, _ = _run(calls[name], 3 * args.sets, args.sets, 0)  # compile, JIT, allocator; then its speed
+        times, _, _ = _run(calls[name], 3 * args.sets, args.sets)  # compile, JIT, allocator; then its speed
         per_call[name] = statistics.median(times[args.sets:])
     smi = _sampler()
     runs = []
@@ -131,8 +132,8 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             time.sleep(args.idle)
-            n = max(2 * 5 + 1, int(args.seconds * 1e3 / per_call[name]))
-            times, t0, t1 = _run(calls[name], n, args.sets, 0)
+            n = max(2 * HEAD + 1, int(args.seconds * 1e3 / per_call[name]))
+            times, t0, t1 = _run(calls[name], n, args.sets)
             runs.append((name, r, summarize(times, args.sets), t0, t1))
     if smi is not None:
         time.sleep(0.1)
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
         lines = []
     print(f"{torch.cuda.get_device_name()}, {shape.label}, indices {args.indices}, sink {args.sink}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; idle {args.idle} s before each run")
-    print("| backend | round | calls | first 5 | after | last half | best | per set | SM MHz (min) | W (max) "
+    print(f"| backend | round | calls | first {HEAD} | after | last half | best | per set | SM MHz (min) | W (max) "
           "| max C | clock reasons |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r, s, t0, t1 in runs:
