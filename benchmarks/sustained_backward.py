@@ -14,7 +14,6 @@ bench's medians (a few warm-up calls, then 20 or more timed) are the sustained r
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import pathlib
 import statistics
 import subprocess
@@ -81,25 +80,13 @@ def _sampler():
 
 
 def _run(call, n: int, sets: int):
-    import torch
+    """``n`` calls back to back, as the bench times them (``bench.timing.time_calls``), and the wall-clock window
+    they ran in (for the nvidia-smi samples)."""
+    from sparse_mqa_kernels.bench.timing import time_calls
 
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    torch.cuda.synchronize()
     t0 = datetime.datetime.now()
-    for k, (a, b) in enumerate(events):
-        a.record()
-        call(k % sets)
-        b.record()
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in events], t0, datetime.datetime.now()
-
-
-def _sibling(name: str):
-    """A script beside this file, by path (the benchmarks folder is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name(f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    times = time_calls(call, sets, 0, n, "cuda")
+    return times, t0, datetime.datetime.now()
 
 
 def main(argv=None) -> int:
@@ -108,7 +95,9 @@ def main(argv=None) -> int:
     from sparse_mqa_kernels.bench.cli import _load
     from sparse_mqa_kernels.bench.shapes import PRESETS
 
-    profile = _sibling("profile_backward")  # the case options and the backward's inputs, as it forms them
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import profile_backward as profile  # the case options and the backward's inputs, as it forms them
+
     p = profile.case_parser(__doc__.splitlines()[0])
     p.add_argument("--sets", type=int, default=3, help="input sets, rotated call by call")
     p.add_argument("--seconds", type=float, default=2.0, help="about how long each run keeps the GPU busy")
